@@ -1,0 +1,9 @@
+"""The `eagle2-batch` command line: a thin click group over the package's modules."""
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="eagle2-batch")
+def main() -> None:
+    """Large offline generation jobs with lossless EAGLE-2 speculative decoding."""
