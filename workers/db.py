@@ -1,0 +1,586 @@
+"""Database schema and storage helpers shared by the producer and the workers.
+
+The database is the source of truth for a job: the manifest of expected samples
+(`requests`) is written before anything is enqueued, every decoded sample lands in
+`samples` exactly once (primary key (job_id, sample_id), inserts ignore conflicts),
+and a job is finished when the stored count reaches the manifest count. The same
+code runs on Postgres (cluster) and SQLite (embedded, one laptop).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Double,
+    Engine,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    Select,
+    String,
+    Table,
+    Text,
+    bindparam,
+    cast,
+    column,
+    create_engine,
+    event,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+JOB_STATES = ("queued", "running", "completed", "failed", "cancelled")
+SHARD_STATES = ("queued", "running", "done", "failed", "cancelled")
+SAMPLE_STATUSES = ("ok", "failed")
+
+# Postgres stores JSON as JSONB (indexable, compact); SQLite keeps it as JSON text.
+# Python None is SQL NULL on both (not the JSON value 'null'), so IS NULL finds it.
+JSONType = JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=True), "postgresql")
+
+# Deterministic constraint names, so migrations can name what they alter or drop.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# Rows per INSERT statement: bounds statement size and memory for large batches.
+_CHUNK_ROWS = 1000
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _in(column: str, values: Sequence[str]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    """Declarative base whose metadata carries the constraint naming convention."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Job(Base):
+    """One submitted input file and the generation settings it runs with."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint(_in("state", JOB_STATES), name="state"),
+        Index(None, "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=_utcnow, onupdate=_utcnow
+    )
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    input_path: Mapped[str] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(255))
+    draft: Mapped[str | None] = mapped_column(String(255))
+    mode: Mapped[str] = mapped_column(String(16))
+    params: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
+    n_expected: Mapped[int] = mapped_column(Integer, default=0)
+    n_rejected: Mapped[int] = mapped_column(Integer, default=0)
+    n_shards: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Request(Base):
+    """Manifest entry: one expected sample and the normalized request a worker decodes."""
+
+    __tablename__ = "requests"
+    __table_args__ = (Index(None, "job_id", "shard"),)
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    sample_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    line_no: Mapped[int] = mapped_column(Integer)
+    shard: Mapped[int] = mapped_column(Integer)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONType)
+
+
+class Shard(Base):
+    """A deterministic range of input lines: the unit of work of one Celery task."""
+
+    __tablename__ = "shards"
+    __table_args__ = (CheckConstraint(_in("state", SHARD_STATES), name="state"),)
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True)
+    line_start: Mapped[int] = mapped_column(Integer)
+    line_end: Mapped[int] = mapped_column(Integer)
+    n_samples: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    parquet_path: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class Sample(Base):
+    """One output row (DESIGN.md): the completion and its acceptance statistics.
+
+    Result columns are NULL when `status` is 'failed' and nothing was measured;
+    a failed row always carries `error`, an ok row never does.
+    """
+
+    __tablename__ = "samples"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["job_id", "sample_id"],
+            ["requests.job_id", "requests.sample_id"],
+            ondelete="CASCADE",
+        ),
+        CheckConstraint(_in("status", SAMPLE_STATUSES), name="status"),
+        CheckConstraint(
+            "(status = 'ok' AND error IS NULL) OR (status = 'failed' AND error IS NOT NULL)",
+            name="error_iff_failed",
+        ),
+        Index(None, "job_id", "shard", "line_no"),
+    )
+
+    job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    sample_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    line_no: Mapped[int] = mapped_column(Integer)
+    shard: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str | None] = mapped_column(String(255))
+    category: Mapped[str | None] = mapped_column(String(255))
+    output_text: Mapped[str | None] = mapped_column(Text)
+    turn_outputs: Mapped[list[str] | None] = mapped_column(JSONType)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    mode: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(255))
+    draft: Mapped[str | None] = mapped_column(String(255))
+    temperature: Mapped[float] = mapped_column(Double)
+    top_p: Mapped[float] = mapped_column(Double)
+    seed: Mapped[int | None] = mapped_column(BigInteger)
+    n_cycles: Mapped[int | None] = mapped_column(Integer)
+    mean_accept_length: Mapped[float | None] = mapped_column(Double)
+    accept_hist: Mapped[list[int] | None] = mapped_column(JSONType)
+    depth_attempts: Mapped[list[int] | None] = mapped_column(JSONType)
+    depth_accepts: Mapped[list[int] | None] = mapped_column(JSONType)
+    draft_ms: Mapped[float | None] = mapped_column(Double)
+    verify_ms: Mapped[float | None] = mapped_column(Double)
+    total_ms: Mapped[float | None] = mapped_column(Double)
+    tokens_per_s: Mapped[float | None] = mapped_column(Double)
+    worker: Mapped[str] = mapped_column(String(255))
+    device: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(8))
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_utcnow)
+
+
+class RejectedLine(Base):
+    """An input line that failed validation, kept so the user can fix and resubmit it."""
+
+    __tablename__ = "rejected_lines"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    line_no: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sample_id: Mapped[str | None] = mapped_column(String(255))
+    reason: Mapped[str] = mapped_column(Text)
+
+
+jobs_t: Table = Job.__table__  # type: ignore[assignment]
+requests_t: Table = Request.__table__  # type: ignore[assignment]
+shards_t: Table = Shard.__table__  # type: ignore[assignment]
+samples_t: Table = Sample.__table__  # type: ignore[assignment]
+rejected_lines_t: Table = RejectedLine.__table__  # type: ignore[assignment]
+
+# The output row's field names, in table order (Parquet and exports use the same).
+SAMPLE_FIELDS: tuple[str, ...] = tuple(samples_t.columns.keys())
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # WAL lets readers (status, stats) run while a worker writes; the busy timeout
+    # makes concurrent writers wait instead of failing with "database is locked".
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """Create an engine for `url`; SQLite gets WAL, a busy timeout and foreign keys on.
+
+    Create engines after a fork (Celery's worker_process_init), never before:
+    pooled connections must not be shared between processes.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(parsed, **kwargs)
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(parsed, pool_pre_ping=True, **kwargs)
+
+
+def session_factory(engine: Engine) -> sessionmaker:
+    """ORM sessions on `engine`; objects stay readable after commit."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+# --------------------------------------------------------------------------- inserts
+
+
+def _normalize(table: Table, rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    # Every row gets every column (absent ones NULL, created_at now); unknown keys are
+    # typos, and non-finite floats are rejected on both backends alike.
+    columns = table.columns.keys()
+    known = set(columns)
+    floats = [c.name for c in table.columns if isinstance(c.type, Double)]
+    out = []
+    for row in rows:
+        unknown = row.keys() - known
+        if unknown:
+            raise ValueError(f"{table.name}: unknown fields {sorted(unknown)}")
+        full = {c: row.get(c) for c in columns}
+        if "created_at" in full and full["created_at"] is None:
+            full["created_at"] = _utcnow()
+        for name in floats:
+            value = full[name]
+            if value is not None and not math.isfinite(value):
+                key = {k: full[k] for k in table.primary_key.columns.keys()}
+                raise ValueError(f"{table.name}.{name} is {value} in row {key}")
+        out.append(full)
+    return out
+
+
+def _json_default(value: Any) -> str:
+    if isinstance(value, datetime):
+        # A naive timestamp is UTC here (SQLite returns them naive), never server-local.
+        return (value if value.tzinfo else value.replace(tzinfo=UTC)).isoformat()
+    raise TypeError(f"cannot store {type(value).__name__} value {value!r}")
+
+
+@functools.cache
+def _pg_insert_ignore_stmt(table: Table) -> Any:
+    # INSERT INTO t (cols) SELECT cols FROM jsonb_to_recordset(:rows) AS r(col type, ...)
+    # ON CONFLICT DO NOTHING: one statement and one bound parameter per chunk. (A
+    # multi-row VALUES with ~30k placeholders spends seconds in client-side parsing.)
+    names = table.columns.keys()
+    records = (
+        func.jsonb_to_recordset(cast(bindparam("rows"), postgresql.JSONB))
+        .table_valued(*(column(c.name, c.type) for c in table.columns))
+        .render_derived(name="r", with_types=True)
+    )
+    return (
+        postgresql.insert(table)
+        .from_select(names, select(*(records.c[n] for n in names)))
+        .on_conflict_do_nothing()
+    )
+
+
+def _insert_ignore(engine: Engine, table: Table, rows: Iterable[Mapping[str, Any]]) -> int:
+    """Insert rows, skipping any whose primary key is already stored; one transaction.
+
+    Postgres: one `INSERT ... SELECT FROM jsonb_to_recordset(:rows) ON CONFLICT DO
+    NOTHING` per chunk. SQLite (in-process, no round trips): one prepared
+    `INSERT ... ON CONFLICT DO NOTHING` executed over the chunk. The summed rowcount
+    is the number of rows actually inserted.
+    """
+    full = _normalize(table, rows)
+    dialect = engine.dialect.name
+    if dialect not in ("postgresql", "sqlite"):
+        raise NotImplementedError(f"unsupported database backend: {dialect}")
+    inserted = 0
+    with engine.begin() as conn:
+        conn = conn.execution_options(preserve_rowcount=True)
+        for start in range(0, len(full), _CHUNK_ROWS):
+            chunk = full[start : start + _CHUNK_ROWS]
+            if dialect == "postgresql":
+                payload = json.dumps(chunk, default=_json_default, allow_nan=False)
+                result = conn.execute(_pg_insert_ignore_stmt(table), {"rows": payload})
+            else:
+                result = conn.execute(sqlite.insert(table).on_conflict_do_nothing(), chunk)
+            inserted += result.rowcount
+    return inserted
+
+
+def insert_samples(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
+    """Store output rows (keys: `SAMPLE_FIELDS`); returns how many were new.
+
+    Idempotent: a redelivered shard re-inserting its rows stores nothing twice.
+    Every sample must already be in the manifest (`requests`), or the insert fails.
+    """
+    return _insert_ignore(engine, samples_t, rows)
+
+
+def insert_requests(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
+    """Store manifest rows (job_id, sample_id, line_no, shard, payload); returns new count."""
+    return _insert_ignore(engine, requests_t, rows)
+
+
+def insert_rejected_lines(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
+    """Store rejected input lines (job_id, line_no, sample_id, reason); returns new count."""
+    return _insert_ignore(engine, rejected_lines_t, rows)
+
+
+def insert_shards(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
+    """Store shard rows (job_id, shard, line_start, line_end, n_samples); returns new count."""
+    return _insert_ignore(
+        engine,
+        shards_t,
+        ({"state": "queued", "attempts": 0, **row} for row in rows),
+    )
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def insert_job(engine: Engine, **fields: Any) -> str:
+    """Create a job row (state 'queued'); generates a uuid hex id unless `id` is given.
+
+    Required: input_path, model, mode. Optional: draft, params, n_expected, n_rejected,
+    n_shards. Returns the job id.
+    """
+    job_id = fields.pop("id", None) or uuid.uuid4().hex
+    with engine.begin() as conn:
+        conn.execute(insert(jobs_t).values(id=job_id, **fields))
+    return job_id
+
+
+def update_job(engine: Engine, job_id: str, **fields: Any) -> None:
+    """Set plain job columns (e.g. n_expected, n_rejected, n_shards after the manifest)."""
+    with engine.begin() as conn:
+        conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(**fields))
+
+
+def set_job_state(
+    engine: Engine, job_id: str, state: str, *, expect: Sequence[str] | None = None
+) -> bool:
+    """Move a job to `state`, only from a state in `expect` when given (compare-and-set).
+
+    Returns whether the row changed, so racing producers/workers can tell who won.
+    Terminal states stamp finished_at; other states clear it (a resumed job).
+    """
+    if state not in JOB_STATES:
+        raise ValueError(f"unknown job state {state!r}")
+    terminal = state in ("completed", "failed", "cancelled")
+    stmt = (
+        update(jobs_t)
+        .where(jobs_t.c.id == job_id)
+        .values(state=state, finished_at=_utcnow() if terminal else None)
+    )
+    if expect is not None:
+        stmt = stmt.where(jobs_t.c.state.in_(list(expect)))
+    with engine.begin() as conn:
+        return conn.execute(stmt).rowcount == 1
+
+
+def get_job(engine: Engine, job_id: str) -> dict[str, Any] | None:
+    """The job's row as a dict, or None."""
+    with engine.connect() as conn:
+        row = conn.execute(select(jobs_t).where(jobs_t.c.id == job_id)).mappings().first()
+    return dict(row) if row is not None else None
+
+
+def latest_job_id(engine: Engine) -> str | None:
+    """The most recently created job's id (the default JOB of status/stats), or None."""
+    stmt = select(jobs_t.c.id).order_by(jobs_t.c.created_at.desc(), jobs_t.c.id.desc()).limit(1)
+    with engine.connect() as conn:
+        return conn.execute(stmt).scalar()
+
+
+def sample_counts(engine: Engine, job_id: str) -> dict[str, int]:
+    """Stored samples of a job by status: {'ok': n, 'failed': m}."""
+    stmt = (
+        select(samples_t.c.status, func.count())
+        .where(samples_t.c.job_id == job_id)
+        .group_by(samples_t.c.status)
+    )
+    counts = dict.fromkeys(SAMPLE_STATUSES, 0)
+    with engine.connect() as conn:
+        for status, n in conn.execute(stmt):
+            counts[status] = n
+    return counts
+
+
+def refresh_job_state(engine: Engine, job_id: str) -> str:
+    """Derive a job's state from what is stored, not from callbacks; returns the state.
+
+    When every expected sample is stored the job becomes 'completed' (none failed)
+    or 'failed' (some failed). A 'cancelled' job is never touched, nor an unfinished one.
+    """
+    job = get_job(engine, job_id)
+    if job is None:
+        raise KeyError(f"no job {job_id!r}")
+    counts = sample_counts(engine, job_id)
+    if job["state"] == "cancelled" or counts["ok"] + counts["failed"] < job["n_expected"]:
+        return job["state"]
+    state = "failed" if counts["failed"] else "completed"
+    if job["state"] != state:
+        changed = set_job_state(
+            engine, job_id, state, expect=[s for s in JOB_STATES if s != "cancelled"]
+        )
+        if not changed:  # cancelled meanwhile
+            return "cancelled"
+    return state
+
+
+# --------------------------------------------------------------------------- shards
+
+
+def set_shard_state(
+    engine: Engine,
+    job_id: str,
+    shard: int,
+    state: str,
+    *,
+    worker: str | None = None,
+    error: str | None = None,
+    parquet_path: str | None = None,
+    expect: Sequence[str] | None = None,
+) -> bool:
+    """Move a shard to `state` (compare-and-set with `expect`); returns whether it changed.
+
+    'running' counts an attempt and stamps started_at/heartbeat_at and the worker;
+    'done', 'failed' and 'cancelled' stamp finished_at. `error` and `parquet_path`
+    are stored when given.
+    """
+    if state not in SHARD_STATES:
+        raise ValueError(f"unknown shard state {state!r}")
+    now = _utcnow()
+    values: dict[str, Any] = {"state": state}
+    if state == "running":
+        values.update(
+            attempts=shards_t.c.attempts + 1,
+            started_at=now,
+            heartbeat_at=now,
+            finished_at=None,
+            error=None,
+        )
+    else:
+        values["finished_at"] = now
+    if worker is not None:
+        values["worker"] = worker
+    if error is not None:
+        values["error"] = error
+    if parquet_path is not None:
+        values["parquet_path"] = parquet_path
+    stmt = (
+        update(shards_t)
+        .where(shards_t.c.job_id == job_id, shards_t.c.shard == shard)
+        .values(**values)
+    )
+    if expect is not None:
+        stmt = stmt.where(shards_t.c.state.in_(list(expect)))
+    with engine.begin() as conn:
+        return conn.execute(stmt).rowcount == 1
+
+
+def heartbeat_shard(engine: Engine, job_id: str, shard: int) -> None:
+    """Stamp heartbeat_at on a running shard so a stalled worker can be told apart."""
+    with engine.begin() as conn:
+        conn.execute(
+            update(shards_t)
+            .where(shards_t.c.job_id == job_id, shards_t.c.shard == shard)
+            .values(heartbeat_at=_utcnow())
+        )
+
+
+# --------------------------------------------------------------------------- reads
+
+
+def done_sample_ids(engine: Engine, job_id: str, shard: int | None = None) -> set[str]:
+    """Ids of the stored samples (ok or failed) of a job, or of one shard of it."""
+    stmt = select(samples_t.c.sample_id).where(samples_t.c.job_id == job_id)
+    if shard is not None:
+        stmt = stmt.where(samples_t.c.shard == shard)
+    with engine.connect() as conn:
+        return set(conn.execute(stmt).scalars())
+
+
+def _missing_requests_stmt(job_id: str) -> Select[Any]:
+    # Manifest rows with no stored sample (NOT EXISTS: uses both primary keys).
+    stored = (
+        select(samples_t.c.sample_id)
+        .where(
+            samples_t.c.job_id == requests_t.c.job_id,
+            samples_t.c.sample_id == requests_t.c.sample_id,
+        )
+        .exists()
+    )
+    return select(requests_t).where(requests_t.c.job_id == job_id, ~stored)
+
+
+def missing_shards(engine: Engine, job_id: str) -> list[int]:
+    """Shards with at least one manifest sample not yet stored (what `resume` enqueues)."""
+    sub = _missing_requests_stmt(job_id).subquery()
+    stmt = select(sub.c.shard).distinct().order_by(sub.c.shard)
+    with engine.connect() as conn:
+        return list(conn.execute(stmt).scalars())
+
+
+def pending_requests(engine: Engine, job_id: str, shard: int) -> list[dict[str, Any]]:
+    """Manifest rows of one shard not yet stored, in line order: what a worker decodes.
+
+    A redelivered shard thereby decodes only what its previous attempt did not store.
+    """
+    stmt = (
+        _missing_requests_stmt(job_id)
+        .where(requests_t.c.shard == shard)
+        .order_by(requests_t.c.line_no)
+    )
+    with engine.connect() as conn:
+        return [dict(r) for r in conn.execute(stmt).mappings()]
+
+
+def iter_samples(
+    engine: Engine,
+    job_id: str,
+    *,
+    shard: int | None = None,
+    columns: Sequence[str] | None = None,
+    batch_size: int = 1000,
+) -> Iterator[dict[str, Any]]:
+    """Stream a job's (or one shard's) output rows in line order, `batch_size` at a time.
+
+    (Ordered by shard, then line: shards are line ranges, so this is input order.)
+
+    Rows come from a server-side cursor on Postgres, so a large job is never held whole.
+    `columns` limits the fields read (stats needs no output text).
+    """
+    cols = [samples_t.c[name] for name in (columns or SAMPLE_FIELDS)]
+    stmt = select(*cols).where(samples_t.c.job_id == job_id)
+    if shard is not None:
+        stmt = stmt.where(samples_t.c.shard == shard)
+    stmt = stmt.order_by(samples_t.c.shard, samples_t.c.line_no)
+    with engine.connect() as conn:
+        result = conn.execution_options(yield_per=batch_size).execute(stmt).mappings()
+        for row in result:
+            yield dict(row)
