@@ -7,3 +7,8 @@ import click
 @click.version_option(package_name="eagle2-batch")
 def main() -> None:
     """Large offline generation jobs with lossless EAGLE-2 speculative decoding."""
+
+
+main.add_command(__import__("producer.db_cli", fromlist=["db"]).db)
+main.add_command(__import__("producer.stats", fromlist=["stats"]).stats)
+main.add_command(__import__("producer.export", fromlist=["export"]).export)

@@ -1,0 +1,163 @@
+"""`eagle2-batch export`: a job's stored rows as JSONL, OpenAI Batch output, or Parquet.
+
+Rows are streamed from the database (`iter_samples`, a server-side cursor on Postgres)
+and written to a temporary file that is renamed at the end, so a large job is never held
+in memory and a reader never sees half an export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import UTC, datetime
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import click
+import pyarrow.parquet as pq
+from sqlalchemy import Engine
+
+from producer.db_cli import resolve_url, url_option
+from workers.db import get_job, iter_samples, make_engine
+from workers.parquet_sink import SAMPLE_SCHEMA, encode_metadata, rows_to_table
+
+FORMATS = ("jsonl", "openai", "parquet")
+_PARQUET_BATCH = 1000
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite hands timestamps back naive; they were stored as UTC.
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _json_default(value: Any) -> str:
+    if isinstance(value, datetime):
+        return _utc(value).isoformat()
+    raise TypeError(f"cannot export {type(value).__name__} value {value!r}")
+
+
+def openai_line(row: Mapping[str, Any]) -> dict[str, Any]:
+    """One OpenAI Batch API output line for an output row.
+
+    `custom_id` is the input's custom_id, else the sample id. Ids are derived from
+    (job_id, sample_id), so exporting twice gives identical files. A failed sample has
+    `response: null` and `error: {code, message}`.
+    """
+    digest = hashlib.sha256(f"{row['job_id']}\0{row['sample_id']}".encode()).hexdigest()
+    custom_id = row["custom_id"] if row["custom_id"] is not None else row["sample_id"]
+    line: dict[str, Any] = {"id": f"batch_req_{digest[:24]}", "custom_id": custom_id}
+    if row["status"] != "ok":
+        line["response"] = None
+        line["error"] = {"code": "generation_failed", "message": row["error"]}
+        return line
+    prompt_tokens = row["prompt_tokens"] or 0
+    completion_tokens = row["completion_tokens"] or 0
+    line["response"] = {
+        "status_code": 200,
+        "request_id": f"req_{digest[24:48]}",
+        "body": {
+            "id": f"chatcmpl-{digest[48:64]}",
+            "object": "chat.completion",
+            "created": int(_utc(row["created_at"]).timestamp()),
+            "model": row["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": row["output_text"]},
+                    "logprobs": None,
+                    "finish_reason": row["finish_reason"],
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        },
+    }
+    line["error"] = None
+    return line
+
+
+def _batches(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+    it = iter(rows)
+    while batch := list(islice(it, size)):
+        yield batch
+
+
+def _write_lines(path: Path, lines: Iterable[Mapping[str, Any]]) -> int:
+    n = 0
+    with path.open("w", encoding="utf-8") as fh:
+        for line in lines:
+            fh.write(json.dumps(line, ensure_ascii=False, default=_json_default) + "\n")
+            n += 1
+    return n
+
+
+def _write_parquet(path: Path, rows: Iterable[dict[str, Any]], metadata: dict[str, Any]) -> int:
+    n = 0
+    schema = SAMPLE_SCHEMA.with_metadata(encode_metadata(metadata))
+    with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+        for batch in _batches(rows, _PARQUET_BATCH):
+            writer.write_table(rows_to_table(batch))
+            n += len(batch)
+    return n
+
+
+def export_job(engine: Engine, job_id: str, fmt: str, out: Path) -> int:
+    """Write job `job_id` to `out` in `fmt` (jsonl|openai|parquet), in line order.
+
+    Returns the number of rows written; raises KeyError for an unknown job.
+    """
+    job = get_job(engine, job_id)
+    if job is None:
+        raise KeyError(job_id)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    rows = iter_samples(engine, job_id)
+    try:
+        if fmt == "jsonl":
+            n = _write_lines(tmp, rows)
+        elif fmt == "openai":
+            n = _write_lines(tmp, (openai_line(r) for r in rows))
+        else:
+            meta = {k: job[k] for k in ("model", "draft", "mode", "params")}
+            n = _write_parquet(tmp, rows, {"job_id": job_id, **meta})
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n
+
+
+@click.command()
+@click.argument("job")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default="jsonl",
+    show_default=True,
+    help="jsonl: one output row per line; openai: OpenAI Batch API output; parquet: one file.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="File to write (replaced atomically).",
+)
+@url_option
+def export(job: str, fmt: str, out: Path, url: str | None) -> None:
+    """Write JOB's outputs to a file, one row per sample in input order."""
+    engine = make_engine(resolve_url(url))
+    try:
+        n = export_job(engine, job, fmt, out)
+    except KeyError:
+        raise click.ClickException(f"no job {job}") from None
+    finally:
+        engine.dispose()
+    click.echo(f"wrote {n} rows ({fmt}) to {out}")

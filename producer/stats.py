@@ -1,0 +1,323 @@
+"""`eagle2-batch stats`: what a job produced and why it was fast (acceptance statistics).
+
+The numbers come from one pass over the stored rows (`compute_stats`, a pure function,
+so tests recompute them independently); the command prints them as a table, as JSON,
+or draws them with matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from producer.db_cli import resolve_url, url_option
+from workers.db import get_job, iter_samples, latest_job_id, make_engine
+
+GROUP_COLUMNS = ("category", "shard", "finish_reason")
+# The fields stats reads: everything but the (large) output text.
+STATS_COLUMNS = (
+    *GROUP_COLUMNS,
+    "status",
+    "completion_tokens",
+    "mean_accept_length",
+    "accept_hist",
+    "depth_attempts",
+    "depth_accepts",
+    "total_ms",
+    "tokens_per_s",
+)
+NO_GROUP = "(none)"
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) with linear interpolation between order statistics."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _add_into(total: list[int], values: Iterable[int] | None) -> None:
+    for i, v in enumerate(values or ()):
+        if i == len(total):
+            total.append(0)
+        total[i] += v
+
+
+@dataclass
+class Accumulator:
+    """Running sums over a group of rows; `summary()` turns them into the reported numbers.
+
+    Throughput, tau and acceptance count ok samples only: a failed sample measured nothing.
+    """
+
+    samples: int = 0
+    ok: int = 0
+    failed: int = 0
+    completion_tokens: int = 0
+    timed_tokens: int = 0
+    total_ms: float = 0.0
+    taus: list[float] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+    accept_hist: list[int] = field(default_factory=list)
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        """Count one output row."""
+        self.samples += 1
+        if row["status"] != "ok":
+            self.failed += 1
+            return
+        self.ok += 1
+        tokens = row["completion_tokens"] or 0
+        self.completion_tokens += tokens
+        if row["total_ms"]:
+            self.timed_tokens += tokens
+            self.total_ms += row["total_ms"]
+        if row["mean_accept_length"] is not None:
+            self.taus.append(row["mean_accept_length"])
+        if row["tokens_per_s"] is not None:
+            self.rates.append(row["tokens_per_s"])
+        _add_into(self.accept_hist, row["accept_hist"])
+        _add_into(self.depth_attempts, row["depth_attempts"])
+        _add_into(self.depth_accepts, row["depth_accepts"])
+
+    def summary(self) -> dict[str, Any]:
+        """The reported numbers (JSON-ready)."""
+        return {
+            "samples": self.samples,
+            "ok": self.ok,
+            "failed": self.failed,
+            "completion_tokens": self.completion_tokens,
+            "tau_mean": sum(self.taus) / len(self.taus) if self.taus else None,
+            "tau_p50": percentile(self.taus, 0.5),
+            "tau_p90": percentile(self.taus, 0.9),
+            # Aggregate throughput: all tokens over all decode time.
+            "tokens_per_s": self.timed_tokens / self.total_ms * 1000 if self.total_ms else None,
+            "tokens_per_s_mean": sum(self.rates) / len(self.rates) if self.rates else None,
+            "accept_hist": list(self.accept_hist),
+            "depth_attempts": list(self.depth_attempts),
+            "depth_accepts": list(self.depth_accepts),
+            "depth_accept_rate": [
+                acc / att if att else None
+                for att, acc in zip(self.depth_attempts, self.depth_accepts, strict=False)
+            ],
+        }
+
+
+def accumulate(
+    rows: Iterable[Mapping[str, Any]], by: str | None = None
+) -> tuple[Accumulator, dict[str, Accumulator]]:
+    """One pass over output rows: the overall accumulator and one per value of `by`."""
+    overall = Accumulator()
+    groups: dict[Any, Accumulator] = {}
+    for row in rows:
+        overall.add(row)
+        if by is not None:
+            groups.setdefault(row[by], Accumulator()).add(row)
+    ordered = sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+    return overall, {NO_GROUP if k is None else str(k): acc for k, acc in ordered}
+
+
+def compute_stats(rows: Iterable[Mapping[str, Any]], by: str | None = None) -> dict[str, Any]:
+    """Job statistics from output rows: {'overall': {...}, 'groups': {value: {...}}}.
+
+    Each entry: samples, ok, failed, completion_tokens, tau_mean/p50/p90 (per-sample
+    mean accept length), tokens_per_s (sum of tokens / sum of total_ms),
+    tokens_per_s_mean (mean of per-sample rates), accept_hist (summed; index k = verify
+    cycles that accepted k drafted tokens), depth_attempts/depth_accepts (summed) and
+    depth_accept_rate (accepts / attempts per depth 1..D).
+    """
+    return summarize(*accumulate(rows, by))
+
+
+def summarize(overall: Accumulator, groups: Mapping[str, Accumulator]) -> dict[str, Any]:
+    """The `compute_stats` result from accumulators."""
+    return {
+        "overall": overall.summary(),
+        "groups": {name: acc.summary() for name, acc in groups.items()},
+    }
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_stats(job: Mapping[str, Any], stats: Mapping[str, Any], by: str | None) -> str:
+    """The human-readable report: a table per group, the histogram, rates by depth."""
+    overall = stats["overall"]
+    lines = [
+        f"job {job['id']}  state={job['state']}  model={job['model']}  "
+        f"draft={job['draft'] or '-'}  mode={job['mode']}",
+        f"expected {job['n_expected']}  stored {overall['samples']}  rejected lines "
+        f"{job['n_rejected']}",
+        "",
+    ]
+    header = (
+        by or "",
+        "samples",
+        "ok",
+        "failed",
+        "tokens",
+        "tau",
+        "p50",
+        "p90",
+        "tok/s",
+        "per-sample",
+    )
+    rows = [("all", overall)] + [(name, s) for name, s in stats["groups"].items()]
+    table = [header] + [
+        (
+            name,
+            str(s["samples"]),
+            str(s["ok"]),
+            str(s["failed"]),
+            str(s["completion_tokens"]),
+            _fmt(s["tau_mean"]),
+            _fmt(s["tau_p50"]),
+            _fmt(s["tau_p90"]),
+            _fmt(s["tokens_per_s"], 1),
+            _fmt(s["tokens_per_s_mean"], 1),
+        )
+        for name, s in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for r in table:
+        lines.append(
+            "  ".join(
+                [r[0].ljust(widths[0])]
+                + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+            )
+        )
+    lines.append(
+        "tau: the samples' mean accept length (mean, p50, p90 over samples)\n"
+        "tok/s: all tokens / all decode time; per-sample: mean of the samples' tok/s"
+    )
+    hist = overall["accept_hist"]
+    cycles = sum(hist)
+    if cycles:
+        lines += ["", "verify cycles by drafted tokens accepted:"]
+        for k, n in enumerate(hist):
+            share = n / cycles
+            lines.append(f"  {k:>2}  {n:>9}  {share:6.1%}  {'#' * round(share * 40)}")
+    rates = overall["depth_accept_rate"]
+    if rates:
+        lines += ["", "acceptance rate by tree depth (accepted / attempted):"]
+        for depth, (att, acc, rate) in enumerate(
+            zip(overall["depth_attempts"], overall["depth_accepts"], rates, strict=True), 1
+        ):
+            lines.append(f"  {depth:>2}  {acc:>9} / {att:<9}  {_fmt(rate, 3)}")
+    return "\n".join(lines)
+
+
+def plot_stats(
+    path: Path, title: str, overall: Accumulator, groups: Mapping[str, Accumulator], by: str
+) -> None:
+    """PNG with the accepted-length histogram, acceptance by depth and tau by group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_hist, ax_depth, ax_tau) = plt.subplots(
+        1, 3, figsize=(16, 5), gridspec_kw={"width_ratios": [1, 1, 1.3]}
+    )
+    fig.suptitle(title, fontsize=13)
+
+    hist = overall.accept_hist
+    cycles = sum(hist) or 1
+    bars = ax_hist.bar(range(len(hist)), [100 * n / cycles for n in hist], color="#4C72B0")
+    ax_hist.bar_label(bars, fmt="%.0f%%", fontsize=8)
+    ax_hist.grid(axis="y", alpha=0.3)
+    ax_hist.set_xticks(range(len(hist)))
+    ax_hist.set_xlabel("drafted tokens accepted in a verify cycle")
+    ax_hist.set_ylabel("share of verify cycles (%)")
+    tau = overall.summary()["tau_mean"]
+    ax_hist.set_title(f"Accepted length ({sum(hist)} cycles, mean tau {_fmt(tau)})")
+
+    rates = overall.summary()["depth_accept_rate"]
+    depths = [d for d, r in enumerate(rates, 1) if r is not None]
+    ax_depth.plot(depths, [100 * r for r in rates if r is not None], "o-", color="#DD8452")
+    ax_depth.set_xticks(depths)
+    ax_depth.set_ylim(0, 100)
+    ax_depth.set_xlabel("tree depth")
+    ax_depth.set_ylabel("accepted / attempted (%)")
+    ax_depth.set_title("Acceptance rate by depth")
+    ax_depth.grid(alpha=0.3)
+
+    named = [(name, acc.taus) for name, acc in groups.items() if acc.taus]
+    if named:
+        ax_tau.boxplot([t for _, t in named], showmeans=True)
+        crowded = len(named) > 5
+        ax_tau.set_xticks(
+            range(1, len(named) + 1),
+            [f"{n}\n(n={len(t)})" for n, t in named],
+            fontsize=9,
+            rotation=30 if crowded else 0,
+            ha="right" if crowded else "center",
+        )
+    ax_tau.set_xlabel(by)
+    ax_tau.set_ylabel("mean accepted length per sample (tau)")
+    ax_tau.set_title(f"tau by {by} (box: quartiles, triangle: mean)")
+    ax_tau.grid(axis="y", alpha=0.3)
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@click.command()
+@click.argument("job", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON.")
+@click.option("--by", type=click.Choice(GROUP_COLUMNS), help="Also report per group.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write a PNG (histogram, acceptance by depth, tau by --by or category).",
+)
+@url_option
+def stats(
+    job: str | None, as_json: bool, by: str | None, plot: Path | None, url: str | None
+) -> None:
+    """Acceptance and throughput statistics of JOB (default: the latest job)."""
+    engine = make_engine(resolve_url(url))
+    try:
+        job_id = job or latest_job_id(engine)
+        job_row = get_job(engine, job_id) if job_id else None
+        if job_row is None:
+            raise click.ClickException(f"no job {job_id}" if job_id else "no jobs yet")
+        group_by = by or ("category" if plot else None)
+        overall, groups = accumulate(
+            iter_samples(engine, job_row["id"], columns=STATS_COLUMNS), group_by
+        )
+    finally:
+        engine.dispose()
+    result = summarize(overall, groups if by else {})
+    if as_json:
+        job_info = {
+            k: job_row[k]
+            for k in ("id", "state", "model", "draft", "mode", "n_expected", "n_rejected")
+        }
+        click.echo(json.dumps({"job": job_info, "by": by, **result}, indent=2))
+    else:
+        click.echo(format_stats(job_row, result, by))
+    if plot is not None:
+        title = (
+            f"eagle2-batch job {job_row['id'][:12]}: {job_row['model']} + "
+            f"{job_row['draft'] or 'no draft'} ({job_row['mode']})"
+        )
+        plot_stats(plot, title, overall, groups, group_by or "category")
+        if not as_json:
+            click.echo(f"\nplot written to {plot}")
