@@ -1,0 +1,234 @@
+"""Reading prompt files (JSON Lines or Parquet) as a stream of validated requests.
+
+A job's input can be millions of lines and single lines of many megabytes, so the
+file is never loaded whole: JSONL is read in binary one line at a time (a bounded
+`readline`, so even a gigabyte without a newline costs at most `max_line_bytes`),
+Parquet one record batch at a time. Every non-blank line yields exactly one
+`Request` or one `Rejected`, in file order, so a bad line never stops a job.
+The rules for a record live in producer/validate.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from producer.validate import Rejected, Request, Validator
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "InputFileError",
+    "Rejected",
+    "Request",
+    "Shard",
+    "plan_shards",
+    "read_requests",
+    "shard_of",
+]
+
+# Well above any prompt a model context can hold (the benchmark lines are < 20 KB),
+# small enough that one bad line cannot exhaust a producer's memory.
+MAX_LINE_BYTES = 16 * 1024 * 1024
+_SKIP_CHUNK = 1024 * 1024
+_PARQUET_BATCH_ROWS = 1024
+_PARQUET_CONTENT = ("prompt", "messages", "turns")
+_PARQUET_COLUMNS = (
+    "id",
+    *_PARQUET_CONTENT,
+    "category",
+    "max_new_tokens",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+)
+_BOM = b"\xef\xbb\xbf"
+_JSON_SPACE = " \t\n\r"
+_scan_once = json.JSONDecoder().scan_once
+
+Record = tuple[int, Any]
+
+
+class InputFileError(Exception):
+    """The file as a whole cannot be read (not one bad line): say why in one line."""
+
+
+def read_requests(
+    path: str | os.PathLike[str],
+    *,
+    max_line_bytes: int = MAX_LINE_BYTES,
+    count_prompt_tokens: Callable[[Request], int] | None = None,
+    max_context: int | None = None,
+) -> Iterator[Request | Rejected]:
+    """Stream `path` as Requests and Rejected lines, in file order.
+
+    A `.parquet` suffix reads Parquet (row numbers, from 1, stand for line numbers);
+    anything else is JSONL. Blank lines are skipped and yield nothing. Pass
+    `count_prompt_tokens` with `max_context` to refuse prompts that leave no room to
+    generate. Arguments are checked now; the file is opened on first iteration.
+    """
+    if max_line_bytes < 1:
+        raise ValueError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
+    validator = Validator(count_prompt_tokens=count_prompt_tokens, max_context=max_context)
+    path = Path(path)
+    if path.suffix.lower() == ".parquet":
+        records: Iterator[Record | Rejected] = _parquet_records(path)
+    else:
+        records = _jsonl_records(path, max_line_bytes)
+    return _checked(records, validator)
+
+
+def _checked(
+    records: Iterator[Record | Rejected], validator: Validator
+) -> Iterator[Request | Rejected]:
+    check = validator.check
+    for record in records:
+        if isinstance(record, Rejected):
+            yield record
+        else:
+            line_no, obj = record
+            yield check(obj, line_no)
+
+
+def _jsonl_records(path: Path, max_line_bytes: int) -> Iterator[Record | Rejected]:
+    """(line number, parsed JSON) per non-blank line, or Rejected when the bytes are
+    not a JSON document (too long, invalid UTF-8, invalid JSON)."""
+    with open(path, "rb") as stream:
+        readline = stream.readline
+        line_no = 0
+        while raw := readline(max_line_bytes + 1):
+            line_no += 1
+            if len(raw) > max_line_bytes and raw[-1:] != b"\n":
+                yield Rejected(line_no, None, _skip_long_line(readline, len(raw), max_line_bytes))
+                continue
+            if line_no == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM) :]
+            if not raw or raw.isspace():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield Rejected(
+                    line_no,
+                    None,
+                    f"invalid UTF-8 at byte {exc.start + 1} (0x{raw[exc.start]:02x})",
+                )
+                continue
+            try:
+                yield line_no, _loads(text)
+            except json.JSONDecodeError as exc:
+                reason = f"invalid JSON: {exc.msg}: column {exc.colno}"
+                if raw[-1:] != b"\n":
+                    reason += " (the last line has no newline: is the file truncated?)"
+                yield Rejected(line_no, None, reason)
+            except RecursionError:
+                yield Rejected(line_no, None, "invalid JSON: nested too deeply")
+            except ValueError as exc:  # e.g. an integer of more than 4300 digits
+                yield Rejected(line_no, None, f"invalid JSON: {exc}")
+
+
+def _loads(text: str) -> Any:
+    """json.loads, about twice as fast on the usual line (an object, maybe a newline):
+    the C scanner is called directly. Anything unusual, including every error, goes
+    through json.loads itself, so messages and behaviour are exactly its own."""
+    if text[:1] == "{":
+        try:
+            obj, end = _scan_once(text, 0)
+        except StopIteration:
+            return json.loads(text)
+        if end == len(text) or not text[end:].strip(_JSON_SPACE):
+            return obj
+    return json.loads(text)
+
+
+def _skip_long_line(readline: Callable[[int], bytes], seen: int, max_line_bytes: int) -> str:
+    """Read past the rest of an over-long line in bounded chunks; the reason to report."""
+    total = seen
+    chunk = b""
+    while chunk[-1:] != b"\n":
+        chunk = readline(_SKIP_CHUNK)
+        if not chunk:
+            break
+        total += len(chunk)
+    length = total - (chunk[-1:] == b"\n")
+    return f"line too long: {length} bytes, the limit is {max_line_bytes} (max_line_bytes)"
+
+
+def _parquet_records(path: Path) -> Iterator[Record]:
+    """(row number, row as a dict) per row, one record batch in memory at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
+        if not any(name in names for name in _PARQUET_CONTENT):
+            raise InputFileError(
+                f'{path}: expected a "prompt" (string), "messages" (list of role/content '
+                f'structs) or "turns" (list of strings) column, found {names}'
+            )
+        columns = [name for name in _PARQUET_COLUMNS if name in names]
+        row_no = 0
+        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=columns):
+            for row in batch.to_pylist():
+                row_no += 1
+                yield row_no, row
+    except pa.ArrowException as exc:
+        raise InputFileError(f"{path}: not a readable Parquet file: {exc}") from exc
+
+
+def shard_of(line_no: int, shard_size: int) -> int:
+    """The shard a line belongs to: shards are fixed ranges of `shard_size` lines, so a
+    sample's shard depends only on its line number (stable across resubmits)."""
+    if line_no < 1 or shard_size < 1:
+        raise ValueError(f"need line_no >= 1 and shard_size >= 1, got {line_no}, {shard_size}")
+    return (line_no - 1) // shard_size
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """The results of one shard's line range, lines first_line..last_line inclusive."""
+
+    index: int
+    first_line: int
+    last_line: int
+    requests: list[Request]
+    rejected: list[Rejected]
+
+
+def plan_shards(items: Iterable[Request | Rejected], shard_size: int) -> Iterator[Shard]:
+    """Group `read_requests` output into shards, in order, holding one shard at a time.
+
+    Shards with no non-blank line are not yielded; a shard of only rejected lines is,
+    so that its rejections get recorded.
+    """
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    index = -1
+    last_line = 0
+    requests: list[Request] = []
+    rejected: list[Rejected] = []
+    for item in items:
+        if item.line_no <= last_line:
+            raise ValueError(f"line {item.line_no} comes after line {last_line}: not in file order")
+        last_line = item.line_no
+        item_shard = shard_of(item.line_no, shard_size)
+        if item_shard != index:
+            if requests or rejected:
+                yield _shard(index, shard_size, requests, rejected)
+            index, requests, rejected = item_shard, [], []
+        if isinstance(item, Rejected):
+            rejected.append(item)
+        else:
+            requests.append(item)
+    if requests or rejected:
+        yield _shard(index, shard_size, requests, rejected)
+
+
+def _shard(index: int, shard_size: int, requests: list[Request], rejected: list[Rejected]) -> Shard:
+    first_line = index * shard_size + 1
+    return Shard(index, first_line, first_line + shard_size - 1, requests, rejected)

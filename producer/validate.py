@@ -1,0 +1,447 @@
+"""The rules for one input record: turn a parsed JSON object (or Parquet row) into a
+`Request`, or say precisely which field is wrong and what was expected.
+
+Kept apart from reading (producer/inputs.py) so that every input format shares one
+set of rules and one wording of errors, and so the rules can be tested on plain
+Python objects without writing files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant")
+CHAT_COMPLETIONS_URL = "/v1/chat/completions"
+# Sample ids, custom ids and categories are String(255) columns (workers/db.py); ids
+# are also kept in memory for the whole file (duplicate check).
+MAX_ID_CHARS = 255
+# Fits a 32-bit INTEGER column and any tensor index.
+MAX_NEW_TOKENS_LIMIT = 2**31 - 1
+# Fits a signed 64-bit BIGINT column and torch.manual_seed.
+MAX_SEED = 2**63 - 1
+
+_CONTENT_FIELDS = ("prompt", "messages", "turns", "body")
+_ID_FIELDS = ("id", "question_id", "custom_id")
+_TOP_OVERRIDES = (
+    ("max_new_tokens", "max_new_tokens"),
+    ("max_tokens", "max_new_tokens"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("seed", "seed"),
+)
+_BODY_OVERRIDES = (
+    ("max_completion_tokens", "max_new_tokens"),
+    ("max_tokens", "max_new_tokens"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("seed", "seed"),
+)
+_OVERRIDE_KEYS = frozenset(key for key, _ in _TOP_OVERRIDES)
+_MISSING: Any = object()
+_new_object = object.__new__
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sample to generate, the same whatever format the line came in.
+
+    `messages` ends with the first user turn to answer; each of `followups` is a
+    further user turn, answered in order after the previous answer (multi-turn).
+    `overrides` holds any of max_new_tokens, temperature, top_p, seed that replace
+    the job's parameters for this sample only.
+    """
+
+    sample_id: str
+    line_no: int
+    messages: list[dict[str, str]]
+    followups: list[str] = field(default_factory=list)
+    overrides: dict[str, int | float] = field(default_factory=dict)
+    custom_id: str | None = None
+    category: str | None = None
+
+    def to_payload(self) -> dict[str, Any]:
+        """A JSON-safe dict for the queue and the database (copies, never aliases)."""
+        return {
+            "sample_id": self.sample_id,
+            "line_no": self.line_no,
+            "messages": [dict(m) for m in self.messages],
+            "followups": list(self.followups),
+            "overrides": dict(self.overrides),
+            "custom_id": self.custom_id,
+            "category": self.category,
+        }
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> Request:
+        """Inverse of `to_payload`; optional keys may be missing (older payloads)."""
+        return cls(
+            sample_id=payload["sample_id"],
+            line_no=payload["line_no"],
+            messages=[dict(m) for m in payload["messages"]],
+            followups=list(payload.get("followups") or ()),
+            overrides=dict(payload.get("overrides") or {}),
+            custom_id=payload.get("custom_id"),
+            category=payload.get("category"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A bad line: where it is, its sample id when that much was readable, and why."""
+
+    line_no: int
+    sample_id: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line_no}: {self.reason}"
+
+
+class InvalidLine(ValueError):
+    """Raised inside validation; carries the sample id once it has been read."""
+
+    def __init__(self, reason: str, sample_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.sample_id = sample_id
+
+
+def _quote(text: str, limit: int = 40) -> str:
+    """A short JSON-quoted excerpt that is always valid UTF-8 (it may go to a database)."""
+    excerpt = json.dumps(text[:limit], ensure_ascii=False)
+    if len(text) > limit:
+        excerpt += "..."
+    return excerpt.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _describe(value: object) -> str:
+    """How a bad value is shown after "got" in an error message, in JSON terms."""
+    if value is _MISSING:
+        return "nothing"
+    if value is None:
+        return "null"
+    if value is True or value is False:
+        return "true" if value else "false"
+    if type(value) is int or type(value) is float:
+        if type(value) is float and not math.isfinite(value):
+            return json.dumps(value)  # NaN, Infinity, -Infinity as JSON spells them
+        text = repr(value)
+        return text if len(text) <= 40 else text[:40] + "..."
+    if type(value) is str:
+        return "an empty string" if not value else _quote(value)
+    if type(value) is list:
+        return f"an array of {len(value)} items"
+    if type(value) is dict:
+        return "an object"
+    return type(value).__name__
+
+
+def _text(value: object, path: str, *, allow_empty: bool = False) -> str:
+    """A string field that can be stored: Postgres JSONB and text refuse NUL, and UTF-8
+    (every sink) refuses lone surrogates; either would fail a whole batch insert."""
+    if type(value) is not str or (not allow_empty and (not value or value.isspace())):
+        expected = "a string" if allow_empty else "a non-empty string"
+        raise InvalidLine(f'field "{path}": expected {expected}, got {_describe(value)}')
+    nul = value.find("\x00")
+    if nul >= 0:
+        raise InvalidLine(
+            f'field "{path}": expected text without NUL (\\u0000), got one at character {nul + 1}'
+        )
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # Only a JSON "\\udXXX" escape can get here; such text cannot be stored.
+            raise InvalidLine(
+                f'field "{path}": expected valid Unicode text, got a lone surrogate '
+                f"\\u{ord(value[exc.start]):04x} at character {exc.start + 1}"
+            ) from None
+    return value
+
+
+def _sample_id(obj: dict[str, Any], line_no: int) -> tuple[str, str | None]:
+    """(sample id, custom_id): the line's id field as a string, else "line-N"."""
+    key = None
+    for name in _ID_FIELDS:
+        if obj.get(name) is not None:
+            if key is not None:
+                raise InvalidLine(
+                    f'fields "{key}" and "{name}": expected at most one sample id field'
+                )
+            key = name
+    if key != "custom_id" and obj.get("body") is not None:
+        raise InvalidLine(
+            'field "custom_id": expected a non-empty string or an integer '
+            f"(an OpenAI batch line needs one), got {_describe(obj.get('custom_id', _MISSING))}"
+        )
+    if key is None:
+        return f"line-{line_no}", None
+    value = obj[key]
+    if type(value) is int:
+        sample_id = str(value)
+    else:
+        if type(value) is not str or not value or value.isspace():
+            raise InvalidLine(
+                f'field "{key}": expected a non-empty string or an integer, got {_describe(value)}'
+            )
+        sample_id = _text(value, key)
+    if len(sample_id) > MAX_ID_CHARS:
+        raise InvalidLine(
+            f'field "{key}": expected at most {MAX_ID_CHARS} characters, got {len(sample_id)}'
+        )
+    return sample_id, sample_id if key == "custom_id" else None
+
+
+def _messages(value: object, path: str) -> list[dict[str, str]]:
+    # Error paths are built only on failure: this loop runs for every message of every line.
+    if type(value) is not list or not value:
+        raise InvalidLine(
+            f'field "{path}": expected a non-empty array of messages, got {_describe(value)}'
+        )
+    out = []
+    role = ""
+    for i, message in enumerate(value):
+        if type(message) is not dict:
+            raise InvalidLine(
+                f'field "{path}[{i}]": expected an object with "role" and "content", '
+                f"got {_describe(message)}"
+            )
+        role = message.get("role", _MISSING)
+        if type(role) is not str or role not in ROLES:
+            raise InvalidLine(
+                f'field "{path}[{i}].role": expected one of "system", "user", "assistant", '
+                f"got {_describe(role)}"
+            )
+        content = message.get("content", _MISSING)
+        if not (
+            type(content) is str
+            and content.isascii()
+            and "\x00" not in content
+            and (role != "user" or (content and not content.isspace()))
+        ):
+            content = _text(content, f"{path}[{i}].content", allow_empty=role != "user")
+        out.append({"role": role, "content": content})
+    if role != "user":
+        raise InvalidLine(
+            f'field "{path}[{len(out) - 1}].role": expected the last message to be from '
+            f'"user" (the turn to answer), got {_quote(role)}'
+        )
+    return out
+
+
+def _turns(value: object) -> list[str]:
+    if type(value) is not list or not value:
+        raise InvalidLine(
+            f'field "turns": expected a non-empty array of strings, got {_describe(value)}'
+        )
+    return [_text(turn, f"turns[{i}]") for i, turn in enumerate(value)]
+
+
+def _openai_messages(obj: dict[str, Any]) -> list[dict[str, str]]:
+    """Messages of an OpenAI Batch API line, after checking it asks for what we serve."""
+    url = obj.get("url", _MISSING)
+    if url != CHAT_COMPLETIONS_URL:
+        raise InvalidLine(
+            f'field "url": expected "{CHAT_COMPLETIONS_URL}" (the only endpoint served), '
+            f"got {_describe(url)}"
+        )
+    method = obj.get("method", _MISSING)
+    if method != "POST":
+        raise InvalidLine(f'field "method": expected "POST", got {_describe(method)}')
+    body = obj["body"]
+    if type(body) is not dict:
+        raise InvalidLine(f'field "body": expected an object, got {_describe(body)}')
+    n = body.get("n")
+    if n is not None and not (type(n) is int and n == 1):
+        raise InvalidLine(
+            f'field "body.n": expected 1 (one completion per line), got {_describe(n)}'
+        )
+    return _messages(body.get("messages", _MISSING), "body.messages")
+
+
+def _override(name: str, path: str, value: object) -> int | float:
+    if name == "max_new_tokens":
+        if type(value) is not int or not 1 <= value <= MAX_NEW_TOKENS_LIMIT:
+            raise InvalidLine(
+                f'field "{path}": expected an integer from 1 to {MAX_NEW_TOKENS_LIMIT}, '
+                f"got {_describe(value)}"
+            )
+        return value
+    if name == "seed":
+        if type(value) is not int or not 0 <= value <= MAX_SEED:
+            raise InvalidLine(
+                f'field "{path}": expected an integer from 0 to {MAX_SEED}, got {_describe(value)}'
+            )
+        return value
+    if type(value) is not int and type(value) is not float:
+        number = math.nan
+    else:
+        try:
+            number = float(value)
+        except OverflowError:  # an integer too large for a float
+            number = math.inf
+    if name == "temperature":
+        if not (math.isfinite(number) and number >= 0):
+            raise InvalidLine(f'field "{path}": expected a number >= 0, got {_describe(value)}')
+    elif not 0 < number <= 1:
+        raise InvalidLine(
+            f'field "{path}": expected a number in (0, 1] (greater than 0, at most 1), '
+            f"got {_describe(value)}"
+        )
+    return number
+
+
+def _overrides(obj: dict[str, Any], body: object) -> dict[str, int | float]:
+    """Per-line generation parameters; null means not set. Two spellings of one
+    parameter on one line (say max_tokens and body.max_completion_tokens) are refused
+    rather than silently picking one."""
+    out: dict[str, int | float] = {}
+    where: dict[str, str] = {}
+    for key, name in _TOP_OVERRIDES:
+        value = obj.get(key)
+        if value is not None:
+            _set_override(out, where, name, key, value)
+    if type(body) is dict:
+        for key, name in _BODY_OVERRIDES:
+            value = body.get(key)
+            if value is not None:
+                _set_override(out, where, name, "body." + key, value)
+    return out
+
+
+def _set_override(
+    out: dict[str, int | float], where: dict[str, str], name: str, path: str, value: object
+) -> None:
+    if name in where:
+        raise InvalidLine(f'fields "{where[name]}" and "{path}": expected at most one of them')
+    out[name] = _override(name, path, value)
+    where[name] = path
+
+
+def _content_kind(obj: dict[str, Any]) -> str:
+    """Which content field a line with several of them uses: the one that is not null.
+    (A single content field that is null is refused by its own check: "got null".)"""
+    kinds = [k for k in _CONTENT_FIELDS if obj.get(k) is not None]
+    if len(kinds) > 1:
+        names = " and ".join(f'"{k}"' for k in kinds)
+        raise InvalidLine(f"fields {names}: expected exactly one of them")
+    return kinds[0] if kinds else next(k for k in _CONTENT_FIELDS if k in obj)
+
+
+def request_from_object(obj: object, line_no: int) -> Request:
+    """Normalise one parsed record into a Request, or raise InvalidLine.
+
+    Null in an optional field means the field is absent (Parquet columns cannot be
+    omitted per row). Unknown fields (e.g. "reference", "model") are ignored.
+    """
+    if type(obj) is not dict:
+        raise InvalidLine(f"expected a JSON object, got {_describe(obj)}")
+    sample_id, custom_id = _sample_id(obj, line_no)
+    try:
+        kind = ""
+        for name in _CONTENT_FIELDS:
+            if name in obj:
+                if kind:  # several: rare, so resolved off the fast path
+                    kind = _content_kind(obj)
+                    break
+                kind = name
+        if not kind:
+            raise InvalidLine(
+                'no prompt: expected one of the fields "prompt", "messages", "turns" '
+                'or "body" (an OpenAI batch line)'
+            )
+        followups: list[str] = []
+        if kind == "prompt":
+            messages = [{"role": "user", "content": _text(obj["prompt"], "prompt")}]
+        elif kind == "messages":
+            messages = _messages(obj["messages"], "messages")
+        elif kind == "turns":
+            turns = _turns(obj["turns"])
+            messages = [{"role": "user", "content": turns[0]}]
+            followups = turns[1:]
+        else:
+            messages = _openai_messages(obj)
+        body = obj.get("body")
+        overrides = (
+            {}
+            if type(body) is not dict and obj.keys().isdisjoint(_OVERRIDE_KEYS)
+            else _overrides(obj, body)
+        )
+        category = obj.get("category")
+        if category is not None:
+            category = _text(category, "category", allow_empty=True)
+            if len(category) > MAX_ID_CHARS:
+                raise InvalidLine(
+                    f'field "category": expected at most {MAX_ID_CHARS} characters, '
+                    f"got {len(category)}"
+                )
+    except InvalidLine as exc:
+        exc.sample_id = sample_id
+        raise
+    # The dataclass's frozen __init__ (one object.__setattr__ per field) costs about a
+    # tenth of the time per line; fill the new instance's __dict__ in one call instead.
+    request = _new_object(Request)
+    request.__dict__.update(
+        sample_id=sample_id,
+        line_no=line_no,
+        messages=messages,
+        followups=followups,
+        overrides=overrides,
+        custom_id=custom_id,
+        category=category,
+    )
+    return request
+
+
+class Validator:
+    """Checks records of one file in order. Stateful: it remembers the id of every
+    accepted request (the only memory that grows with the file) to refuse duplicates.
+
+    `count_prompt_tokens` and `max_context` come from the caller, which owns the
+    tokenizer: a request whose prompt leaves no room to generate is refused.
+    """
+
+    def __init__(
+        self,
+        *,
+        count_prompt_tokens: Callable[[Request], int] | None = None,
+        max_context: int | None = None,
+    ) -> None:
+        if (count_prompt_tokens is None) != (max_context is None):
+            raise ValueError("count_prompt_tokens and max_context go together")
+        if max_context is not None and max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {max_context}")
+        self._context_check: tuple[Callable[[Request], int], int] | None = None
+        if count_prompt_tokens is not None and max_context is not None:
+            self._context_check = (count_prompt_tokens, max_context)
+        self._first_line: dict[str, int] = {}
+
+    def check(self, obj: object, line_no: int) -> Request | Rejected:
+        """The Request for this record, or why it is refused."""
+        try:
+            request = request_from_object(obj, line_no)
+        except InvalidLine as exc:
+            return Rejected(line_no, exc.sample_id, str(exc))
+        sample_id = request.sample_id
+        first = self._first_line.get(sample_id)
+        if first is not None:
+            return Rejected(
+                line_no,
+                sample_id,
+                f"duplicate sample id {_quote(sample_id)}: first used on line {first}",
+            )
+        if self._context_check is not None:
+            count_prompt_tokens, max_context = self._context_check
+            n_tokens = count_prompt_tokens(request)
+            if n_tokens >= max_context:
+                return Rejected(
+                    line_no,
+                    sample_id,
+                    f"prompt is {n_tokens} tokens; the model's context is {max_context} "
+                    "tokens, which leaves no room to generate",
+                )
+        self._first_line[sample_id] = line_no
+        return request
