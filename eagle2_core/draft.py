@@ -1,0 +1,240 @@
+"""The EAGLE draft head and its public checkpoint format.
+
+fc(cat(embedding, feature)) -> one Llama decoder layer without input norm; the
+target's lm_head turns its output into draft logits. Parameter names match the
+public EAGLE checkpoints (fc.*, layers.0.self_attn.*, layers.0.mlp.*,
+layers.0.post_attention_layernorm.weight) so their heads load unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+
+class DraftCheckpointError(ValueError):
+    """A draft checkpoint is unreadable or does not fit the target."""
+
+
+@dataclass
+class DraftCache:
+    """Keys and values of the draft layer, [B, kv_heads, T, head_dim]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def crop(self, length: int) -> DraftCache:
+        return DraftCache(self.keys[:, :, :length], self.values[:, :, :length])
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, qkv_bias: bool):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        h, d = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: DraftCache | None,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, DraftCache]:
+        b, q_len, _ = x.shape
+        q = self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, q_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, q_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *rope)
+        if cache is not None:
+            k = torch.cat([cache.keys, k], dim=2)
+            v = torch.cat([cache.values, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(b, q_len, -1)
+        return self.o_proj(out), DraftCache(k, v)
+
+
+class DraftLayer(nn.Module):
+    """A Llama decoder layer whose input norm is the identity (as in EAGLE)."""
+
+    def __init__(self, config: LlamaConfig, qkv_bias: bool):
+        super().__init__()
+        self.self_attn = DraftAttention(config, qkv_bias)
+        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, rope, cache, mask):
+        attn, cache = self.self_attn(x, rope, cache, mask)
+        h = x + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), cache
+
+
+class DraftHead(nn.Module):
+    """Predicts the target's next feature from (token embedding, current feature)."""
+
+    def __init__(self, config: LlamaConfig, fc_bias: bool = True, qkv_bias: bool = False):
+        super().__init__()
+        self.config = config
+        self.fc_bias = fc_bias
+        self.qkv_bias = qkv_bias
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
+        self.layers = nn.ModuleList([DraftLayer(config, qkv_bias)])
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DraftCache | None,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, DraftCache]:
+        """embeds, features [B, q, H]; positions [B, q]; mask [B, 1, q, cached + q] (float)."""
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        rope = self.rotary(x, positions)
+        return self.layers[0](x, rope, cache, mask)
+
+
+def draft_config_for(target_config, **overrides) -> LlamaConfig:
+    """A one-layer LlamaConfig matching the target's sizes (for new heads)."""
+    fields = dict(
+        hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", None),
+        head_dim=getattr(target_config, "head_dim", None),
+        rms_norm_eps=target_config.rms_norm_eps,
+        vocab_size=target_config.vocab_size,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rope_parameters=dict(target_config.rope_parameters),
+        hidden_act=target_config.hidden_act,
+        num_hidden_layers=1,
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def new_draft_head(target_config, seed: int = 0, fc_bias: bool = False) -> DraftHead:
+    """A randomly initialised head for a target (the starting point of training)."""
+    torch.manual_seed(seed)
+    config = draft_config_for(target_config)
+    head = DraftHead(config, fc_bias=fc_bias, qkv_bias=getattr(target_config, "attention_bias", False))
+    for module in head.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=config.initializer_range)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    return head
+
+
+def save_draft(head: DraftHead, directory: str | Path, dtype: torch.dtype = torch.bfloat16,
+               card: str | None = None) -> Path:
+    """Write config.json + model.safetensors in the public EAGLE format."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = head.config.to_dict()
+    config.update(bias=head.fc_bias, qkv_bias=head.qkv_bias, architectures=["LlamaForCausalLM"])
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    state = {
+        k: v.detach().to(dtype).contiguous()
+        for k, v in head.state_dict().items()
+        if not k.startswith("rotary.")
+    }
+    save_file(state, str(directory / "model.safetensors"))
+    if card is not None:
+        (directory / "README.md").write_text(card)
+    return directory
+
+
+def _read_state(directory: Path) -> dict[str, torch.Tensor]:
+    if (directory / "model.safetensors").exists():
+        return load_file(str(directory / "model.safetensors"))
+    if (directory / "pytorch_model.bin").exists():
+        try:
+            return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as exc:  # pickle errors come in many types
+            raise DraftCheckpointError(f"{directory}/pytorch_model.bin is unreadable: {exc}") from exc
+    raise DraftCheckpointError(
+        f"{directory} holds no model.safetensors or pytorch_model.bin draft weights"
+    )
+
+
+def load_draft(directory: str | Path, target_config=None) -> DraftHead:
+    """Load a head in the public EAGLE format; check that it fits the target if given."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise DraftCheckpointError(f"draft checkpoint {directory} has no config.json")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DraftCheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    fc_bias = raw.pop("bias", True)
+    qkv_bias = raw.pop("qkv_bias", False)
+    for key in ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version"):
+        raw.pop(key, None)
+    config = LlamaConfig(**raw)
+    if target_config is not None:
+        _check_fits(config, raw.get("vocab_size"), target_config, directory)
+    try:
+        state = _read_state(directory)
+    except Exception as exc:
+        if isinstance(exc, DraftCheckpointError):
+            raise
+        raise DraftCheckpointError(f"draft weights in {directory} are unreadable: {exc}") from exc
+    state.pop("embed_tokens.weight", None)  # the target's own table is used
+    head = DraftHead(config, fc_bias=fc_bias, qkv_bias=qkv_bias)
+    dtype = next(iter(state.values())).dtype if state else torch.float32
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise DraftCheckpointError(
+            f"draft weights in {directory} do not match the EAGLE layout: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return head.to(dtype).eval()
+
+
+def _check_fits(config: LlamaConfig, vocab_size: int | None, target_config, directory: Path) -> None:
+    if config.hidden_size != target_config.hidden_size:
+        raise DraftCheckpointError(
+            f"draft {directory} has hidden size {config.hidden_size} but the target has "
+            f"{target_config.hidden_size}: it was trained for another model"
+        )
+    target_vocab = target_config.vocab_size
+    if vocab_size is not None and vocab_size != target_vocab:
+        raise DraftCheckpointError(
+            f"draft {directory} has vocabulary size {vocab_size} but the target has "
+            f"{target_vocab}: it was trained for another model"
+        )
+
+
+HEADS_DIR = Path(__file__).parent / "heads"
+
+
+def shipped_draft(model_name: str) -> Path | None:
+    """The draft head shipped in the package for a built-in model alias, if any."""
+    directory = HEADS_DIR / model_name
+    return directory if (directory / "config.json").exists() else None
