@@ -140,7 +140,9 @@ def new_draft_head(target_config, seed: int = 0, fc_bias: bool = False) -> Draft
     """A randomly initialised head for a target (the starting point of training)."""
     torch.manual_seed(seed)
     config = draft_config_for(target_config)
-    head = DraftHead(config, fc_bias=fc_bias, qkv_bias=getattr(target_config, "attention_bias", False))
+    head = DraftHead(
+        config, fc_bias=fc_bias, qkv_bias=getattr(target_config, "attention_bias", False)
+    )
     for module in head.modules():
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=config.initializer_range)
@@ -149,8 +151,12 @@ def new_draft_head(target_config, seed: int = 0, fc_bias: bool = False) -> Draft
     return head
 
 
-def save_draft(head: DraftHead, directory: str | Path, dtype: torch.dtype = torch.bfloat16,
-               card: str | None = None) -> Path:
+def save_draft(
+    head: DraftHead,
+    directory: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    card: str | None = None,
+) -> Path:
     """Write config.json + model.safetensors in the public EAGLE format."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -173,9 +179,13 @@ def _read_state(directory: Path) -> dict[str, torch.Tensor]:
         return load_file(str(directory / "model.safetensors"))
     if (directory / "pytorch_model.bin").exists():
         try:
-            return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+            return torch.load(
+                directory / "pytorch_model.bin", map_location="cpu", weights_only=True
+            )
         except Exception as exc:  # pickle errors come in many types
-            raise DraftCheckpointError(f"{directory}/pytorch_model.bin is unreadable: {exc}") from exc
+            raise DraftCheckpointError(
+                f"{directory}/pytorch_model.bin is unreadable: {exc}"
+            ) from exc
     raise DraftCheckpointError(
         f"{directory} holds no model.safetensors or pytorch_model.bin draft weights"
     )
@@ -217,7 +227,9 @@ def load_draft(directory: str | Path, target_config=None) -> DraftHead:
     return head.to(dtype).eval()
 
 
-def _check_fits(config: LlamaConfig, vocab_size: int | None, target_config, directory: Path) -> None:
+def _check_fits(
+    config: LlamaConfig, vocab_size: int | None, target_config, directory: Path
+) -> None:
     if config.hidden_size != target_config.hidden_size:
         raise DraftCheckpointError(
             f"draft {directory} has hidden size {config.hidden_size} but the target has "

@@ -133,7 +133,8 @@ class EagleDrafter:
         pool = CandidatePool()
         top = self._log_probs(last).topk(k)
         frontier = [
-            pool.add(t, -1, 1, s) for t, s in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+            pool.add(t, -1, 1, s)
+            for t, s in zip(top.indices.tolist(), top.values.tolist(), strict=True)
         ]
         frontier_features = last.expand(k, -1)
         for step in range(1, self.depth + 1):
@@ -163,7 +164,9 @@ class EagleDrafter:
         for step in range(1, max_depth + 1):
             next_level: list[tuple[int, ...]] = []
             for row, parent_path in enumerate(level_nodes):
-                ranks = [p[-1] for p in self.static_tree if p[:-1] == parent_path and len(p) == step]
+                ranks = [
+                    p[-1] for p in self.static_tree if p[:-1] == parent_path and len(p) == step
+                ]
                 if not ranks:
                     continue
                 top = level_log_probs[row].topk(max(ranks) + 1)

@@ -112,7 +112,9 @@ class Generation:
         return self.completion_tokens / (ms / 1000) if ms > 0 else 0.0
 
 
-def prefill(target: Target, prompt: torch.Tensor) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+def prefill(
+    target: Target, prompt: torch.Tensor
+) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
     """Run the prompt [L]; returns the cache, its features [L, H] and last logits [V]."""
     cache = DynamicCache(config=target.model.config)
     positions = torch.arange(len(prompt), device=target.device)[None]

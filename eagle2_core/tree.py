@@ -84,9 +84,7 @@ def rerank(pool: CandidatePool, root_token: int, budget: int) -> DraftTree:
     A child never scores above its parent; ties go to the shallower node, then to the
     earlier one, so a kept node's parent is always kept too.
     """
-    order = sorted(
-        range(len(pool.tokens)), key=lambda i: (-pool.scores[i], pool.depths[i], i)
-    )
+    order = sorted(range(len(pool.tokens)), key=lambda i: (-pool.scores[i], pool.depths[i], i))
     keep = sorted(order[: max(budget - 1, 0)])  # pool order: parents before children
     node_of = {pool_index: node for node, pool_index in enumerate(keep, start=1)}
     parents = [-1]
@@ -113,11 +111,31 @@ def tree_attention_mask(tree: DraftTree, context_len: int, dtype: torch.dtype) -
 # EAGLE-1's default static tree (the reference's mc_sim_7b_63): each path lists the
 # rank of the child taken at every level below the root.
 DEFAULT_STATIC_TREE: tuple[tuple[int, ...], ...] = (
-    (0,), (1,), (2,), (3,),
-    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
-    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2),
-    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+    (0,),
+    (1,),
+    (2,),
+    (3,),
+    (0, 0),
+    (0, 1),
+    (0, 2),
+    (1, 0),
+    (1, 1),
+    (2, 0),
+    (2, 1),
+    (3, 0),
+    (0, 0, 0),
+    (0, 0, 1),
+    (0, 0, 2),
+    (0, 1, 0),
+    (0, 1, 1),
+    (0, 2, 0),
+    (0, 2, 1),
+    (1, 0, 0),
+    (0, 0, 0, 0),
+    (0, 0, 0, 1),
+    (0, 0, 0, 2),
+    (0, 0, 0, 0, 0),
+    (0, 0, 0, 0, 1),
 )
 
 

@@ -22,7 +22,7 @@ def hf_greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
         eos_token_id=sorted(target.stop_ids) or None,
         pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def prompts(vocab: int, lengths=(1, 5, 23, 70), seed: int = 0) -> list[list[int]]:
@@ -47,11 +47,14 @@ def test_greedy_equals_generate_with_random_head(tiny, mode):
         assert sum(got.stats.accept_hist) == got.stats.n_cycles
 
 
-@pytest.mark.parametrize("config", [
-    DecodeConfig(mode="eagle2", top_k=3, depth=2, total_tokens=6),
-    DecodeConfig(mode="eagle2", top_k=1, depth=8, total_tokens=9),
-    DecodeConfig(mode="eagle2", top_k=10, depth=5, total_tokens=2),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        DecodeConfig(mode="eagle2", top_k=3, depth=2, total_tokens=6),
+        DecodeConfig(mode="eagle2", top_k=1, depth=8, total_tokens=9),
+        DecodeConfig(mode="eagle2", top_k=10, depth=5, total_tokens=2),
+    ],
+)
 def test_greedy_equals_generate_for_tree_shapes(tiny, config):
     target, engine = tiny
     prompt = prompts(96, lengths=(9,))[0]
@@ -151,8 +154,9 @@ def test_stats_add_up(tiny):
     target, engine = tiny
     prompt = prompts(96, lengths=(10,))[0]
     expected = hf_greedy(target, prompt, 30)
-    got = engine.generate(prompt, DecodeConfig(max_new_tokens=30),
-                          drafter=OracleDrafter(prompt, expected, 96))
+    got = engine.generate(
+        prompt, DecodeConfig(max_new_tokens=30), drafter=OracleDrafter(prompt, expected, 96)
+    )
     s = got.stats
     assert s.round_tokens == got.completion_tokens - 1  # the prefill gives the first token
     assert sum(k * n for k, n in enumerate(s.accept_hist)) + s.n_cycles >= s.round_tokens
@@ -163,11 +167,10 @@ def test_stats_add_up(tiny):
 
 def test_chat_answers_follow_up_turns_in_order(tiny):
     target, engine = tiny
-    target.tokenizer.chat_template = (
-        "{% for m in messages %}{{ m['content'] }} {% endfor %}t2"
+    target.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}t2"
+    turns = engine.chat(
+        [{"role": "user", "content": "t5 t6 t7"}], ["t8 t9"], DecodeConfig(max_new_tokens=6)
     )
-    turns = engine.chat([{"role": "user", "content": "t5 t6 t7"}], ["t8 t9"],
-                        DecodeConfig(max_new_tokens=6))
     assert len(turns) == 2
     second_prompt = [5, 6, 7] + target.tokenizer(turns[0].text)["input_ids"] + [8, 9, 2]
     assert turns[1].prompt_tokens == len(second_prompt)

@@ -61,9 +61,7 @@ class WideDrafter:
         return DraftTree(torch.tensor(tokens), tuple(parents), scores)
 
 
-def eagle_draws(
-    engine: Engine, config: DecodeConfig, n: int, drafter=None
-) -> tuple[Counter, int]:
+def eagle_draws(engine: Engine, config: DecodeConfig, n: int, drafter=None) -> tuple[Counter, int]:
     """Counts of (x1, x2) over n seeds, and how many draws accepted a drafted token."""
     counts: Counter = Counter()
     accepted = 0

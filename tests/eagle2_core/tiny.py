@@ -20,8 +20,12 @@ def tiny_tokenizer(vocab_size: int, eos: int | None = 1) -> PreTrainedTokenizerF
 
 
 def tiny_target(
-    vocab_size: int = 96, seed: int = 0, max_positions: int = 512, eos: int | None = 1,
-    hidden: int = 64, layers: int = 2,
+    vocab_size: int = 96,
+    seed: int = 0,
+    max_positions: int = 512,
+    eos: int | None = 1,
+    hidden: int = 64,
+    layers: int = 2,
 ) -> Target:
     torch.manual_seed(seed)
     config = LlamaConfig(
