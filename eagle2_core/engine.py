@@ -13,9 +13,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from eagle2_core.draft import DraftHead
+from eagle2_core.draft import (
+    DraftCheckpointError,
+    DraftHead,
+    load_draft,
+    new_draft_head,
+    shipped_draft,
+)
 from eagle2_core.drafters import Drafter, EagleDrafter
-from eagle2_core.models import Target, encode_chat, forward
+from eagle2_core.models import Target, encode_chat, forward, load_target
 from eagle2_core.tree import DEFAULT_STATIC_TREE, DraftTree, root_only, tree_attention_mask
 from eagle2_core.verify import Sampling, choose_token, greedy_accept, sample_accept
 
@@ -255,3 +261,30 @@ def _finish(token: int, n_out: int, config: DecodeConfig, target: Target) -> str
 
 def _generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+
+
+def load_engine(
+    model: str,
+    draft: str | None = None,
+    *,
+    needs_draft: bool = True,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> Engine:
+    """Target + draft by name. draft None = the head shipped for the model alias,
+    "random" = an untrained head (for tests: tau near 1), else a checkpoint directory."""
+    target = load_target(model, dtype=dtype, device=device)
+    if draft is None:
+        draft = shipped_draft(model)
+        if draft is None:
+            if needs_draft:
+                raise DraftCheckpointError(
+                    f"no draft head is shipped for {model!r}: pass --draft DIR "
+                    "(train one with `eagle2-batch train-draft`) or use --mode vanilla"
+                )
+            return Engine(target)
+    if draft == "random":
+        head = new_draft_head(target.model.config)
+    else:
+        head = load_draft(draft, target.model.config)
+    return Engine(target, head)

@@ -8,6 +8,7 @@ downloaded unless the caller allows it.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 # Tokens that end a chat turn in common templates; used when present in the vocabulary.
@@ -102,10 +104,14 @@ def _dequantised_gguf(directory: Path, gguf_file: str, cache_name: str) -> Path:
         directory, gguf_file=gguf_file, dtype=torch.float32, local_files_only=True
     )
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
-    model.config.quantization_config = None
     cached.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{cache_name}-", dir=cached.parent))
-    model.save_pretrained(staging)
+    # save_pretrained refuses GGUF-loaded models; the weights are plain fp32 now.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(staging)
+    save_model(model, str(staging / "model.safetensors"))
     tokenizer.save_pretrained(staging)
     try:
         staging.rename(cached)

@@ -12,3 +12,7 @@ def main() -> None:
 main.add_command(__import__("producer.db_cli", fromlist=["db"]).db)
 main.add_command(__import__("producer.stats", fromlist=["stats"]).stats)
 main.add_command(__import__("producer.export", fromlist=["export"]).export)
+main.add_command(__import__("producer.worker_cli", fromlist=["worker"]).worker)
+main.add_command(__import__("producer.train_cli", fromlist=["train_draft"]).train_draft)
+main.add_command(__import__("producer.models_cli", fromlist=["models"]).models)
+main.add_command(__import__("producer.bench_cli", fromlist=["bench"]).bench)

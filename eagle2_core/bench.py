@@ -1,0 +1,129 @@
+"""Side-by-side speed of decoding modes on the same prompts, in one run.
+
+`vanilla` is transformers' own `generate` (the baseline users compare with);
+`eagle1` and `eagle2` run through the Engine. For every question all modes run back
+to back, so load on a shared machine hits them alike. Speedup is the mean of
+per-question tokens/s of a mode over the same mean for vanilla (as in the EAGLE
+papers); tau is tokens per target verify pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle2_core.engine import DecodeConfig, Engine
+from eagle2_core.models import Target, encode_chat
+
+
+@dataclass
+class ModeResult:
+    """Totals of one mode over the benchmark questions."""
+
+    mode: str
+    questions: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    round_tokens: int = 0
+    cycles: int = 0
+    per_question_tps: list[float] = field(default_factory=list)
+    outputs: list[list[list[int]]] = field(default_factory=list)  # [question][turn] token ids
+
+    @property
+    def tau(self) -> float | None:
+        return self.round_tokens / self.cycles if self.cycles else None
+
+    @property
+    def mean_tps(self) -> float:
+        return sum(self.per_question_tps) / len(self.per_question_tps) if self.questions else 0.0
+
+    def as_dict(self, baseline: ModeResult | None) -> dict:
+        speedup = self.mean_tps / baseline.mean_tps if baseline and baseline.mean_tps else None
+        return {
+            "mode": self.mode,
+            "questions": self.questions,
+            "new_tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tau": round(self.tau, 3) if self.tau is not None else None,
+            "tokens_per_s": round(self.mean_tps, 2),
+            "speedup": round(speedup, 3) if speedup is not None else None,
+        }
+
+
+def hf_generate(target: Target, prompt_ids: list[int], config: DecodeConfig) -> list[int]:
+    """The baseline: transformers' generate with the same stop tokens and sampling."""
+    ids = torch.tensor([prompt_ids], device=target.device)
+    sample = config.temperature > 0
+    extra = {"temperature": config.temperature, "top_p": config.top_p} if sample else {}
+    if sample and config.seed is not None:
+        torch.manual_seed(config.seed)
+    out = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=config.max_new_tokens,
+        do_sample=sample,
+        eos_token_id=sorted(target.stop_ids) or None,
+        pad_token_id=target.tokenizer.pad_token_id or 0,
+        **extra,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def _vanilla_chat(
+    target: Target, messages: list[dict], followups: list[str], config: DecodeConfig
+) -> list[list[int]]:
+    conversation, outputs = list(messages), []
+    for followup in [None, *followups]:
+        if followup is not None:
+            text = target.tokenizer.decode(outputs[-1], skip_special_tokens=True)
+            conversation += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": followup},
+            ]
+        outputs.append(hf_generate(target, encode_chat(target.tokenizer, conversation), config))
+    return outputs
+
+
+def run_bench(
+    engine: Engine,
+    questions: Iterable[tuple[list[dict], list[str]]],
+    modes: list[str],
+    config: DecodeConfig,
+    on_question: Callable[[int], None] | None = None,
+) -> dict[str, ModeResult]:
+    """Decode every question with every mode; returns per-mode totals."""
+    results = {mode: ModeResult(mode) for mode in modes}
+    target = engine.target
+    warm = encode_chat(target.tokenizer, [{"role": "user", "content": "Hi"}])
+    hf_generate(target, warm, DecodeConfig(max_new_tokens=4))  # first-call overheads
+    for index, (messages, followups) in enumerate(questions):
+        for mode in modes:
+            result = results[mode]
+            start = time.perf_counter()
+            if mode == "vanilla":
+                outputs = _vanilla_chat(target, messages, followups, config)
+            else:
+                mode_config = DecodeConfig(**{**config.__dict__, "mode": mode})
+                turns = engine.chat(messages, followups, mode_config)
+                outputs = [t.token_ids for t in turns]
+                result.round_tokens += sum(t.stats.round_tokens for t in turns)
+                result.cycles += sum(t.stats.n_cycles for t in turns)
+            elapsed = time.perf_counter() - start
+            tokens = sum(len(o) for o in outputs)
+            result.questions += 1
+            result.tokens += tokens
+            result.seconds += elapsed
+            result.per_question_tps.append(tokens / elapsed if elapsed > 0 else 0.0)
+            result.outputs.append(outputs)
+        if on_question is not None:
+            on_question(index)
+    return results
+
+
+def identical_outputs(results: dict[str, ModeResult]) -> int:
+    """How many questions produced the same tokens in every mode (expected: all, greedy fp32)."""
+    runs = [r.outputs for r in results.values()]
+    return sum(all(run[i] == runs[0][i] for run in runs) for i in range(len(runs[0])))

@@ -1,0 +1,198 @@
+"""Training data for a draft head: the target's own answers, turned into features.
+
+Self-distillation, as in EAGLE: the head learns to predict the target's next final-norm
+hidden state on text the target wrote itself, so training sees the contexts that
+drafting will see. One target forward per conversation records the features of every
+token; they are stored as safetensors shards (features in bf16), one file per fixed
+group of conversations, so an interrupted extraction skips the shards already written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from eagle2_core.models import END_OF_TURN_TOKENS, Target, encode_chat, forward
+
+VALIDATION_MODULUS = 50
+SHARD_GLOB = "shard-*.safetensors"
+
+
+def is_validation(sample_id: str) -> bool:
+    """The prompt set's split rule (datasets README): about 1 id in 50, spread over sources."""
+    return int(hashlib.sha256(sample_id.encode()).hexdigest(), 16) % VALIDATION_MODULUS == 0
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One training example: the chat-formatted prompt and the target's answer, as ids."""
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...]
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.prompt_ids + self.answer_ids
+
+
+@dataclass(frozen=True)
+class FeatureSequence:
+    """A conversation as the loss reads it: ids [T], features [T, H], answer mask [T]."""
+
+    input_ids: torch.Tensor
+    features: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token that closes an assistant turn (the answer text is stored without it)."""
+    vocab = tokenizer.get_vocab()
+    for token in END_OF_TURN_TOKENS:
+        if token in vocab:
+            return vocab[token]
+    return tokenizer.eos_token_id
+
+
+def make_conversation(
+    tokenizer,
+    sample_id: str,
+    messages: list[dict],
+    answer: str,
+    stopped: bool,
+    max_len: int,
+) -> Conversation | None:
+    """Tokenise prompt (chat template) and answer; None when no answer token fits max_len.
+
+    A stopped answer gets its end-of-turn token back, so the head learns to draft it.
+    """
+    prompt_ids = encode_chat(tokenizer, messages)
+    answer_ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    stop = end_of_turn_id(tokenizer)
+    if stopped and stop is not None:
+        answer_ids.append(stop)
+    answer_ids = answer_ids[: max(0, max_len - len(prompt_ids))]
+    if not answer_ids:
+        return None
+    return Conversation(sample_id, tuple(prompt_ids), tuple(answer_ids))
+
+
+@torch.inference_mode()
+def conversation_features(target: Target, conversation: Conversation) -> FeatureSequence:
+    """One target forward over prompt + answer; the mask is True on exactly the answer tokens."""
+    ids = torch.tensor(conversation.ids, device=target.device)
+    positions = torch.arange(len(ids), device=target.device)[None]
+    cache = DynamicCache(config=target.model.config)
+    features = forward(target, ids[None], positions, cache)[0]
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    mask[len(conversation.prompt_ids) :] = True
+    return FeatureSequence(ids.cpu(), features.to("cpu", torch.bfloat16), mask)
+
+
+def _digest(conversations: Sequence[Conversation], model_name: str) -> str:
+    """Identifies a shard's content, so a stale shard (other answers, other model) is redone."""
+    h = hashlib.sha256(model_name.encode())
+    for c in conversations:
+        h.update(json.dumps([c.id, c.prompt_ids, c.answer_ids]).encode())
+    return h.hexdigest()
+
+
+def _shard_digest(path: Path) -> str | None:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("digest")
+    except Exception:  # a torn or foreign file: treat as missing and rewrite it
+        return None
+
+
+def write_feature_shards(
+    target: Target,
+    conversations: Sequence[Conversation],
+    directory: str | Path,
+    shard_size: int = 64,
+    progress: bool = True,
+) -> list[Path]:
+    """Extract features for every conversation into shard files; skips up-to-date shards.
+
+    Shard i holds conversations [i*shard_size, (i+1)*shard_size). Files are written to a
+    temporary name and renamed, so a shard on disk is always whole.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    chunks = [conversations[i : i + shard_size] for i in range(0, len(conversations), shard_size)]
+    paths = [directory / f"shard-{i:05d}.safetensors" for i in range(len(chunks))]
+    todo = [
+        (path, chunk)
+        for path, chunk in zip(paths, chunks, strict=True)
+        if _shard_digest(path) != _digest(chunk, target.name)
+    ]
+    bar = tqdm(
+        total=sum(len(c) for _, c in todo),
+        desc=f"features {directory.name}",
+        unit="conv",
+        disable=not progress,
+    )
+    for path, chunk in todo:
+        sequences = []
+        for conversation in chunk:
+            sequences.append(conversation_features(target, conversation))
+            bar.update()
+        _save_shard(path, sequences, _digest(chunk, target.name), [c.id for c in chunk])
+    bar.close()
+    for stale in set(directory.glob(SHARD_GLOB)) - set(paths):
+        stale.unlink()  # left by an earlier run over more conversations
+    return paths
+
+
+def _save_shard(
+    path: Path, sequences: Sequence[FeatureSequence], digest: str, ids: list[str]
+) -> None:
+    tensors = {
+        "input_ids": torch.cat([s.input_ids for s in sequences]),
+        "features": torch.cat([s.features for s in sequences]).contiguous(),
+        "loss_mask": torch.cat([s.loss_mask for s in sequences]),
+        "lengths": torch.tensor([len(s) for s in sequences], dtype=torch.int64),
+    }
+    metadata = {"digest": digest, "ids": json.dumps(ids)}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_shards(paths: Iterable[str | Path]) -> list[FeatureSequence]:
+    """All conversations of the given shards, in order (features stay bf16 in memory)."""
+    sequences: list[FeatureSequence] = []
+    for path in paths:
+        shard = load_file(str(path))
+        lengths = shard["lengths"].tolist()
+        for ids, feats, mask in zip(
+            shard["input_ids"].split(lengths),
+            shard["features"].split(lengths),
+            shard["loss_mask"].split(lengths),
+            strict=True,
+        ):
+            sequences.append(FeatureSequence(ids, feats, mask))
+    return sequences
+
+
+def count_answer_tokens(sequences: Iterable[FeatureSequence]) -> int:
+    return sum(int(s.loss_mask.sum()) for s in sequences)

@@ -1,0 +1,122 @@
+"""`eagle2-batch bench`: vanilla vs EAGLE-1 vs EAGLE-2 on the same prompts, in one run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import click
+
+from eagle2_core.models import DEFAULT_MODEL
+from producer.inputs import read_requests
+from producer.validate import Rejected
+
+
+@click.command()
+@click.option(
+    "--dataset",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Prompts: a question.jsonl of shared/benchmarks, or any input JSONL.",
+)
+@click.option(
+    "--modes",
+    default="vanilla,eagle1,eagle2",
+    show_default=True,
+    help="Comma-separated modes; vanilla is transformers' generate (the baseline).",
+)
+@click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option(
+    "--draft",
+    default=None,
+    help="Draft head directory; default: the head shipped for the model; "
+    "'random' = untrained (tau near 1, for checking the plumbing).",
+)
+@click.option("--limit", type=int, default=None, help="Only the first N questions.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--first-turn-only", is_flag=True, help="Skip follow-up turns (MT-bench turn 2).")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-k", type=int, default=10, show_default=True)
+@click.option("--depth", type=int, default=5, show_default=True)
+@click.option("--total-tokens", type=int, default=60, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def bench(
+    dataset,
+    modes,
+    model,
+    draft,
+    limit,
+    max_new_tokens,
+    first_turn_only,
+    temperature,
+    top_k,
+    depth,
+    total_tokens,
+    as_json,
+) -> None:
+    """Measure tau, tokens/s and speedup of decoding modes side by side.
+
+    Every question runs in every mode back to back, so machine load affects all modes
+    alike. Example:
+
+        eagle2-batch bench --dataset ../shared/benchmarks/mt_bench/question.jsonl --limit 10
+    """
+    from eagle2_core.bench import identical_outputs, run_bench
+    from eagle2_core.engine import DecodeConfig, load_engine
+
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = set(mode_list) - {"vanilla", "eagle1", "eagle2"}
+    if unknown:
+        raise click.BadParameter(
+            f"unknown mode(s): {', '.join(sorted(unknown))}", param_hint="--modes"
+        )
+    items = (r for r in read_requests(dataset) if not isinstance(r, Rejected))
+    questions = [
+        (r.messages, [] if first_turn_only else r.followups) for r in itertools.islice(items, limit)
+    ]
+    engine = load_engine(model, draft, needs_draft=mode_list != ["vanilla"])
+    config = DecodeConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        depth=depth,
+        total_tokens=total_tokens,
+        seed=0,
+    )
+
+    def progress(i: int) -> None:
+        if not as_json:
+            print(f"\rquestion {i + 1}/{len(questions)}", end="", file=sys.stderr, flush=True)
+
+    results = run_bench(engine, questions, mode_list, config, on_question=progress)
+    baseline = results.get("vanilla")
+    rows = [r.as_dict(baseline) for r in results.values()]
+    report = {
+        "dataset": dataset,
+        "model": model,
+        "draft": draft or "shipped",
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "tree": {"top_k": top_k, "depth": depth, "total_tokens": total_tokens},
+        "modes": rows,
+    }
+    if temperature == 0:
+        report["identical_outputs"] = identical_outputs(results)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    print(file=sys.stderr)
+    click.echo(f"{'mode':<8} {'questions':>9} {'tokens':>7} {'tau':>6} {'tok/s':>8} {'speedup':>8}")
+    for row in rows:
+        tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
+        speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "-"
+        click.echo(
+            f"{row['mode']:<8} {row['questions']:>9} {row['new_tokens']:>7} {tau:>6} "
+            f"{row['tokens_per_s']:>8.1f} {speedup:>8}"
+        )
+    if "identical_outputs" in report:
+        click.echo(
+            f"greedy outputs identical across modes: "
+            f"{report['identical_outputs']}/{len(questions)} questions"
+        )
