@@ -19,7 +19,6 @@ import torch
 from tqdm import tqdm
 
 from eagle2_core.draft import DraftHead
-from eagle2_core.engine import DecodeConfig, Engine
 from eagle2_core.models import Target
 from eagle2_core.train.data import FeatureSequence
 from eagle2_core.train.loss import (
@@ -81,7 +80,8 @@ class TrainResult:
     tokens_seen: int  # answer positions scored, summed over steps
     train: Metrics
     validation: Metrics | None
-    history: list[dict] = field(default_factory=list)  # per checkpoint: step, loss, top1
+    # per checkpoint: step, train loss / top1 since the last one, val_loss / val_top1
+    history: list[dict] = field(default_factory=list)
 
 
 def collate(sequences: Sequence[FeatureSequence]) -> Batch:
@@ -253,6 +253,9 @@ def train(
         if step % config.checkpoint_every == 0 or step == total_steps:
             seen = window.metrics()
             history.append({"step": step, "loss": seen.loss, "top1": seen.top1})
+            if validation_data:
+                held_out = evaluate(head, target, validation_data, config)
+                history[-1].update(val_loss=held_out.loss, val_top1=held_out.top1)
             if step < total_steps:
                 window = _Running()
             write_checkpoint()
@@ -269,25 +272,3 @@ def _remaining_batches(
         batches = epoch_batches(n, config.batch_size, config.seed, epoch)
         skip = done - epoch * steps_per_epoch if epoch == done // steps_per_epoch else 0
         yield from batches[skip:]
-
-
-def measure_tau(
-    target: Target,
-    head: DraftHead,
-    prompts: Sequence[list[int]],
-    max_new_tokens: int = 128,
-    config: DecodeConfig | None = None,
-) -> float | None:
-    """Average acceptance length (generated tokens / verify passes) of EAGLE-2 at T=0.
-
-    Pooled over the prompts, which is the definition the benchmarks use. The Engine
-    converts the head to the target's dtype and device in place.
-    """
-    config = config or DecodeConfig(mode="eagle2", max_new_tokens=max_new_tokens)
-    engine = Engine(target, head.eval())
-    tokens = cycles = 0
-    for prompt in prompts:
-        stats = engine.generate(prompt, config).stats
-        tokens += stats.round_tokens
-        cycles += stats.n_cycles
-    return tokens / cycles if cycles else None

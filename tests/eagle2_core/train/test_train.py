@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle2_core.bench import run_bench
 from eagle2_core.draft import load_draft, new_draft_head, save_draft
 from eagle2_core.engine import DecodeConfig, Engine
 from eagle2_core.models import Target, encode_chat
@@ -21,7 +22,7 @@ from eagle2_core.train.data import (
     make_conversation,
     write_feature_shards,
 )
-from eagle2_core.train.loop import TrainConfig, collate, evaluate, measure_tau, train
+from eagle2_core.train.loop import TrainConfig, collate, evaluate, train
 from eagle2_core.train.loss import Batch, batch_loss, eagle_loss
 from tests.eagle2_core.tiny import tiny_target
 
@@ -168,28 +169,31 @@ def test_batch_loss_pairs_position_t_with_the_next_feature(target: Target) -> No
 def test_short_training_reduces_loss_and_writes_a_loadable_head(
     target: Target, tmp_path: Path
 ) -> None:
-    conversations = _answered(target, 24)
+    conversations = _answered(target, 16)
     data = load_shards(write_feature_shards(target, conversations, tmp_path / "f", progress=False))
     head = new_draft_head(target.model.config, seed=0)
-    config = TrainConfig(epochs=6, batch_size=4, lr=3e-3, warmup_steps=3, checkpoint_every=10)
+    config = TrainConfig(epochs=5, batch_size=4, lr=3e-3, warmup_steps=3, checkpoint_every=8)
     before = evaluate(head, target, data, config)
     result = train(
         head, target, data, config, tmp_path / "ck", validation_data=data[:4], progress=False
     )
     after = evaluate(head, target, data, config)
-    assert result.steps == 36
-    assert result.tokens_seen == 6 * sum(int(s.loss_mask.sum()) for s in data)
+    assert result.steps == 20
+    assert result.tokens_seen == 5 * sum(int(s.loss_mask.sum()) for s in data)
     assert after.loss < 0.8 * before.loss
     assert after.top1 > before.top1
     assert result.validation is not None and result.validation.positions > 0
-    assert [h["step"] for h in result.history] == [10, 20, 30, 36]
+    assert [h["step"] for h in result.history] == [8, 16, 20]
     assert (tmp_path / "ck" / "checkpoint.pt").exists()
 
     out = save_draft(head, tmp_path / "head", card="# test head\n")
     loaded = load_draft(out, target.model.config)
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, head.state_dict()[key].to(torch.bfloat16)), key
-    tau = measure_tau(target, loaded, [list(c.prompt_ids) for c in conversations[:2]], 8)
+    questions = [([{"role": "user", "content": "t5 t9 t30"}], [])]
+    tau = run_bench(Engine(target, loaded), questions, ["eagle2"], DecodeConfig(max_new_tokens=6))[
+        "eagle2"
+    ].tau
     assert tau is not None and tau >= 1.0
 
 

@@ -1,0 +1,428 @@
+"""`eagle2-batch train-draft`: train an EAGLE draft head for a target, end to end.
+
+Stages, each resumable under OUT:
+  answers   the target answers the selected prompts through the product's own batch
+            path (`eagle2-batch run --mode vanilla`, SQLite + Parquet in OUT/answers);
+  features  one target forward per conversation -> OUT/features/{train,val}/*.safetensors;
+  train     the EAGLE objective, checkpoints in OUT/checkpoints (continue with --resume);
+  evaluate  held-out loss / top-1 and tau of EAGLE-2 decoding on a few prompts;
+  head      OUT/head: config.json + model.safetensors (public EAGLE format) + README.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import click
+import pyarrow.parquet as pq
+
+from eagle2_core.bench import run_bench
+from eagle2_core.draft import new_draft_head, save_draft
+from eagle2_core.engine import DecodeConfig, Engine
+from eagle2_core.models import DEFAULT_MODEL, ModelLoadError, Target, load_target
+from eagle2_core.train.data import (
+    Conversation,
+    count_answer_tokens,
+    is_validation,
+    load_shards,
+    make_conversation,
+    write_feature_shards,
+)
+from eagle2_core.train.loop import Metrics, TrainConfig, train
+
+
+def _messages(obj: dict[str, Any]) -> list[dict] | None:
+    """The first user turn of a prompt line (`prompt`, `messages` or benchmark `turns`)."""
+    if isinstance(obj.get("prompt"), str):
+        return [{"role": "user", "content": obj["prompt"]}]
+    if isinstance(obj.get("messages"), list):
+        return obj["messages"]
+    if isinstance(obj.get("turns"), list) and obj["turns"]:
+        return [{"role": "user", "content": obj["turns"][0]}]
+    return None
+
+
+def _lines(path: Path) -> Iterator[tuple[str, list[dict]]]:
+    """(id, messages) per usable line; the id is the line's `id`, else its line number."""
+    with path.open(encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            messages = _messages(obj)
+            if messages is not None:
+                yield str(obj.get("id", obj.get("question_id", line_no))), messages
+
+
+def select_prompts(
+    path: Path, max_train: int, max_val: int
+) -> tuple[list[tuple[str, list[dict]]], list[tuple[str, list[dict]]]]:
+    """Hash-ordered training and validation prompts: an even spread over the file's sources.
+
+    The order is fixed by the ids alone, so a larger --max-samples keeps the earlier
+    selection as its prefix and the answers and shards already made stay valid.
+    """
+
+    def rank(item: tuple[str, list[dict]]) -> str:
+        return hashlib.sha256(f"select:{item[0]}".encode()).hexdigest()
+
+    items = sorted(_lines(path), key=rank)
+    train_items = [i for i in items if not is_validation(i[0])][:max_train]
+    val_items = [i for i in items if is_validation(i[0])][:max_val]
+    return train_items, val_items
+
+
+def read_answers(directory: Path) -> dict[str, dict[str, Any]]:
+    """Successful answers by sample id from the Parquet files that `run` wrote."""
+    answers: dict[str, dict[str, Any]] = {}
+    columns = ["sample_id", "output_text", "finish_reason", "status"]
+    for path in sorted(directory.rglob("*.parquet")):
+        if any(part.startswith(".") for part in path.relative_to(directory).parts):
+            continue  # a file still being written
+        for row in pq.ParquetFile(path).read(columns=columns).to_pylist():
+            if row["status"] == "ok" and row["output_text"] is not None:
+                answers.setdefault(row["sample_id"], row)
+    return answers
+
+
+def generate_answers(
+    input_path: Path,
+    answers_dir: Path,
+    model: str,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    device: str,
+) -> None:
+    """Answer the prompts with the embedded batch path; it resumes what an earlier run began.
+
+    Samples that fail (a prompt longer than the context, say) are left out, not fatal.
+    """
+    from producer.cli import main as cli  # imported here: producer.cli imports this module
+
+    args = [
+        "run", str(input_path), "--out", str(answers_dir), "--model", model,
+        "--mode", "vanilla", "--max-new-tokens", str(max_new_tokens),
+        "--temperature", str(temperature), "--seed", str(seed), "--device", device,
+    ]  # fmt: skip
+    try:
+        cli.main(args=args, prog_name="eagle2-batch", standalone_mode=False)
+    except click.ClickException as exc:
+        click.echo(f"answers: {exc.format_message()}; training on the answers that exist")
+
+
+def build_conversations(
+    target: Target, items: list[tuple[str, list[dict]]], answers: dict, max_len: int
+) -> list[Conversation]:
+    """Conversations of the prompts that have an answer, in selection order."""
+    conversations = []
+    for sample_id, messages in items:
+        row = answers.get(sample_id)
+        if row is None:
+            continue
+        conversation = make_conversation(
+            target.tokenizer,
+            sample_id,
+            messages,
+            row["output_text"],
+            row["finish_reason"] == "stop",
+            max_len,
+        )
+        if conversation is not None:
+            conversations.append(conversation)
+    return conversations
+
+
+def model_card(summary: dict[str, Any], config: TrainConfig) -> str:
+    """A short README.md for the head: how it was made and what it reaches."""
+    val = summary["validation"] or asdict(Metrics())
+    tau = summary["tau"]
+    return f"""# EAGLE draft head for `{summary["model"]}`
+
+Trained with `eagle2-batch train-draft` by self-distillation with the EAGLE objective
+(SmoothL1 on the next feature + 0.1 x soft cross-entropy through the frozen lm_head).
+
+- data: {summary["train_conversations"]} answers written by the target itself to prompts
+  from `{summary["prompts"]}` ({summary["train_answer_tokens"]} answer tokens; temperature
+  {summary["temperature"]}, at most {summary["max_new_tokens"]} new tokens; the validation
+  split, sha256(id) % 50 == 0, held out)
+- training: {summary["steps"]} steps ({config.epochs} epochs, batch {config.batch_size}),
+  AdamW lr {config.lr} betas {config.betas}, {config.warmup_steps} warm-up steps then
+  {config.schedule}, gradient clip {config.grad_clip}, input noise
+  U(-{config.noise_width / 2:g}, {config.noise_width / 2:g}),
+  {"bf16 autocast" if config.autocast else "fp32"} on {config.device}
+- tokens seen: {summary["tokens_seen"]}
+- validation ({summary["validation_conversations"]} held-out conversations,
+  {val["positions"]} positions): loss {val["loss"]:.4f}, top-1 agreement with the
+  target {val["top1"]:.1%}
+- tau (EAGLE-2, T=0, default tree; {summary["tau_source"]}): {_fmt_tau(tau)}
+
+Format: the public EAGLE checkpoint layout (config.json + model.safetensors, bf16);
+the target's embedding table and lm_head are used, not stored.
+"""
+
+
+def _fmt_tau(tau: float | None) -> str:
+    return f"{tau:.2f}" if tau is not None else "not measured"
+
+
+def ensure_answers(
+    out: Path,
+    items: list[tuple[str, list[dict]]],
+    model: str,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    device: str,
+) -> dict[str, dict[str, Any]]:
+    """Answers to every item, from OUT/answers or by running the batch path once more.
+
+    A marker holding the input's digest records a finished `run`, so prompts that failed
+    there (too long, say) do not make every later call decode the whole input again.
+    """
+    directory = out / "answers"
+    text = "".join(json.dumps({"id": i, "messages": m}) + "\n" for i, m in items)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    marker = directory / "complete.sha256"
+    answers = read_answers(directory)
+    finished = marker.exists() and marker.read_text() == digest
+    if finished or all(i in answers for i, _ in items):
+        return answers
+    input_path = directory / "input.jsonl"
+    if not input_path.exists() or input_path.read_text(encoding="utf-8") != text:
+        directory.mkdir(parents=True, exist_ok=True)
+        input_path.write_text(text, encoding="utf-8")  # unchanged input: `run` resumes
+    click.echo(f"answers: the target answers {len(items)} prompts (vanilla decoding)")
+    generate_answers(input_path, directory, model, max_new_tokens, temperature, seed, device)
+    marker.write_text(digest)
+    return read_answers(directory)
+
+
+@click.command("train-draft")
+@click.option(
+    "--model",
+    default=DEFAULT_MODEL,
+    show_default=True,
+    help="Target: built-in alias, model directory or .gguf file.",
+)
+@click.option(
+    "--prompts",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL prompts ({id, prompt} or {id, messages}), e.g. "
+    "shared/datasets/train_prompts.jsonl. Ids in the validation split "
+    "(sha256(id) % 50 == 0) are only used to measure the head.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Working folder: answers, features, checkpoints and the head (OUT/head). "
+    "What is there is reused: use a new folder for other answer settings.",
+)
+@click.option(
+    "--max-samples",
+    default=512,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Training prompts to answer and learn from (a fixed hash-ordered pick).",
+)
+@click.option(
+    "--val-samples",
+    default=32,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Held-out validation prompts to answer and measure on.",
+)
+@click.option(
+    "--epochs",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Passes over the training conversations.",
+)
+@click.option(
+    "--max-new-tokens",
+    default=128,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Longest answer the target writes (and the length of the tau check).",
+)
+@click.option(
+    "--temperature",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Answer sampling temperature; 0 (greedy) trains on the contexts that T=0 decoding visits.",
+)
+@click.option(
+    "--batch-size",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Conversations per optimizer step (padded to the longest).",
+)
+@click.option(
+    "--lr",
+    default=3e-4,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Peak AdamW learning rate (betas 0.9/0.95), cosine-decayed to 0.",
+)
+@click.option(
+    "--warmup-steps",
+    default=20,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Steps of linear learning-rate warm-up.",
+)
+@click.option(
+    "--max-len",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(2),
+    help="Conversations are cut to this many tokens.",
+)
+@click.option(
+    "--checkpoint-every",
+    default=100,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Steps between checkpoints in OUT/checkpoints (one more at the end).",
+)
+@click.option(
+    "--eval-prompts",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL whose first turns measure tau (e.g. shared/benchmarks/mt_bench/"
+    "question.jsonl); default: the validation prompts.",
+)
+@click.option(
+    "--eval-samples",
+    default=10,
+    show_default=True,
+    type=click.IntRange(0),
+    help="How many prompts the tau check decodes (0: skip it).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where features are extracted and the head is trained.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["bf16", "fp32"]),
+    default="bf16",
+    show_default=True,
+    help="bf16: autocast around the head (fp32 master weights).",
+)
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Seeds answer sampling, the head's init, data order and input noise.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue training from OUT/checkpoints. Answers and features always "
+    "resume: what is on disk and still matches is not redone.",
+)
+def train_draft(
+    model: str,
+    prompts: Path,
+    out: Path,
+    max_samples: int,
+    val_samples: int,
+    epochs: int,
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int,
+    lr: float,
+    warmup_steps: int,
+    max_len: int,
+    checkpoint_every: int,
+    eval_prompts: Path | None,
+    eval_samples: int,
+    device: str,
+    precision: str,
+    seed: int,
+    resume: bool,
+) -> None:
+    """Train an EAGLE draft head for MODEL on its own answers to PROMPTS.
+
+    Stages: answers -> features -> train -> evaluate -> head. The head is written to
+    OUT/head and can be passed as --draft; OUT/summary.json holds the numbers.
+    """
+    started = time.perf_counter()
+    train_items, val_items = select_prompts(prompts, max_samples, val_samples)
+    if not train_items:
+        raise click.ClickException(f"{prompts} has no training prompts")
+    answers = ensure_answers(
+        out, train_items + val_items, model, max_new_tokens, temperature, seed, device
+    )
+
+    try:
+        target = load_target(model, device=device)
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    train_convs = build_conversations(target, train_items, answers, max_len)
+    val_convs = build_conversations(target, val_items, answers, max_len)
+    if not train_convs:
+        raise click.ClickException(f"no training prompt got an answer; see {out / 'answers'}")
+    train_data = load_shards(write_feature_shards(target, train_convs, out / "features/train"))
+    val_data = load_shards(write_feature_shards(target, val_convs, out / "features/val"))
+
+    config = TrainConfig(
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        warmup_steps=warmup_steps,
+        checkpoint_every=checkpoint_every,
+        autocast=precision == "bf16",
+        seed=seed,
+        device=device,
+    )
+    head = new_draft_head(target.model.config, seed=seed)
+    result = train(head, target, train_data, config, out / "checkpoints", resume, val_data)
+    if result.validation is not None:
+        v = result.validation
+        click.echo(f"validation: loss {v.loss:.4f}, top-1 {v.top1:.1%} over {v.positions} tokens")
+
+    source = list(_lines(eval_prompts)) if eval_prompts else val_items
+    questions = [(messages, []) for _, messages in source[:eval_samples]]
+    where = f"{eval_prompts.parent.name}/{eval_prompts.name}" if eval_prompts else "validation"
+    tau = None
+    if questions:  # the Engine casts the head to the target's dtype: measure after training
+        engine = Engine(target, head.eval())
+        config_t0 = DecodeConfig(mode="eagle2", max_new_tokens=max_new_tokens)
+        tau = run_bench(engine, questions, ["eagle2"], config_t0)["eagle2"].tau
+    summary = {
+        "model": model,
+        "prompts": prompts.name,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "train_conversations": len(train_convs),
+        "train_answer_tokens": count_answer_tokens(train_data),
+        "validation_conversations": len(val_convs),
+        "steps": result.steps,
+        "tokens_seen": result.tokens_seen,
+        "train": asdict(result.train),
+        "validation": asdict(result.validation) if result.validation else None,
+        "history": result.history,
+        "tau": tau,
+        "tau_source": f"{len(questions)} first turns from {where}, {max_new_tokens} new tokens",
+        "config": asdict(config),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    head_dir = save_draft(head, out / "head", card=model_card(summary, config))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    click.echo(f"head written to {head_dir} (tau {_fmt_tau(tau)})")

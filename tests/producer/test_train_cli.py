@@ -1,0 +1,87 @@
+"""`eagle2-batch train-draft` end to end on a tiny random model saved to a folder:
+answers through the real embedded `run`, features, training, evaluation, the head."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import producer.train_cli as train_cli
+from eagle2_core.draft import load_draft
+from eagle2_core.models import load_target
+from eagle2_core.train.data import is_validation
+from producer.cli import main
+from tests.eagle2_core.tiny import tiny_target
+
+VALIDATION_IDS = ["alpaca-00056", "alpaca-00085", "alpaca-00087"]
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    target = tiny_target(seed=5)
+    directory = tmp_path / "tiny-model"
+    target.model.save_pretrained(directory)
+    target.tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def prompts(tmp_path: Path) -> Path:
+    ids = [f"alpaca-{i:05d}" for i in range(10)] + VALIDATION_IDS
+    lines = [{"id": i, "prompt": f"t{7 + n} t{20 + n} t{3 * n + 2}"} for n, i in enumerate(ids)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_select_prompts_keeps_validation_out_and_grows_as_a_prefix(prompts: Path) -> None:
+    train, val = train_cli.select_prompts(prompts, 4, 2)
+    assert len(train) == 4 and len(val) == 2
+    assert not any(is_validation(i) for i, _ in train)
+    assert all(is_validation(i) for i, _ in val)
+    more, _ = train_cli.select_prompts(prompts, 8, 2)
+    assert more[:4] == train
+
+
+def test_train_draft_end_to_end_and_resume(
+    model_dir: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    args = [
+        "train-draft", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
+        "--max-samples", "8", "--val-samples", "2", "--epochs", "2", "--batch-size", "4",
+        "--max-new-tokens", "10", "--checkpoint-every", "2", "--eval-samples", "2",
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "head written to" in result.output
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["train_conversations"] == 8
+    assert summary["validation_conversations"] == 2
+    assert summary["steps"] == 4
+    assert summary["validation"]["positions"] > 0
+    assert summary["tau"] >= 1.0
+    card = (out / "head" / "README.md").read_text()
+    assert "4 steps" in card and "top-1" in card
+    target = load_target(str(model_dir))
+    head = load_draft(out / "head", target.model.config)
+    assert head.fc.weight.shape == (target.hidden_size, 2 * target.hidden_size)
+    features = sorted(p.name for p in (out / "features" / "train").iterdir())
+    assert features == ["shard-00000.safetensors"]
+
+    # Again with --resume: no decoding, no features redone, training ends at its last step.
+    def fail(*_args, **_kwargs):
+        raise AssertionError("answers were generated again")
+
+    monkeypatch.setattr(train_cli, "generate_answers", fail)
+    monkeypatch.setattr(
+        "eagle2_core.train.data.conversation_features",
+        lambda *a: pytest.fail("features were extracted again"),
+    )
+    result = CliRunner().invoke(main, [*args, "--resume"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
