@@ -2,7 +2,8 @@
 
 Stages, each resumable under OUT:
   answers   the target answers the selected prompts through the product's own batch
-            path (`eagle2-batch run --mode vanilla`, SQLite + Parquet in OUT/answers);
+            path (`eagle2-batch run --mode vanilla`, SQLite + Parquet in OUT/answers),
+            read back from that SQLite database;
   features  one target forward per conversation -> OUT/features/{train,val}/*.safetensors;
   train     the EAGLE objective, checkpoints in OUT/checkpoints (continue with --resume);
   evaluate  held-out loss / top-1 and tau of EAGLE-2 decoding on a few prompts;
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-import pyarrow.parquet as pq
+from sqlalchemy import select
 
 from eagle2_core.bench import run_bench
 from eagle2_core.draft import new_draft_head, save_draft
@@ -35,6 +36,7 @@ from eagle2_core.train.data import (
     write_feature_shards,
 )
 from eagle2_core.train.loop import Metrics, TrainConfig, train
+from workers.db import iter_samples, jobs_t, make_engine
 
 
 def _messages(obj: dict[str, Any]) -> list[dict] | None:
@@ -78,16 +80,32 @@ def select_prompts(
     return train_items, val_items
 
 
+def answers_url(directory: Path) -> str:
+    """The answers' own SQLite database: never EAGLE2_DATABASE_URL's shared one."""
+    return f"sqlite:///{(directory / 'eagle2.db').resolve()}"
+
+
 def read_answers(directory: Path) -> dict[str, dict[str, Any]]:
-    """Successful answers by sample id from the Parquet files that `run` wrote."""
-    answers: dict[str, dict[str, Any]] = {}
+    """Successful answers by sample id, from every job `run` stored under directory.
+
+    Read from the database, which holds each sample as soon as it is decoded (Parquet
+    only per finished shard), so an interrupted or shrunk selection loses nothing.
+    """
+    if not (directory / "eagle2.db").exists():
+        return {}
+    engine = make_engine(answers_url(directory))
     columns = ["sample_id", "output_text", "finish_reason", "status"]
-    for path in sorted(directory.rglob("*.parquet")):
-        if any(part.startswith(".") for part in path.relative_to(directory).parts):
-            continue  # a file still being written
-        for row in pq.ParquetFile(path).read(columns=columns).to_pylist():
-            if row["status"] == "ok" and row["output_text"] is not None:
-                answers.setdefault(row["sample_id"], row)
+    answers: dict[str, dict[str, Any]] = {}
+    try:
+        with engine.connect() as conn:
+            job_ids = conn.execute(select(jobs_t.c.id).order_by(jobs_t.c.created_at)).scalars()
+            job_ids = list(job_ids)
+        for job_id in job_ids:
+            for row in iter_samples(engine, job_id, columns=columns):
+                if row["status"] == "ok" and row["output_text"] is not None:
+                    answers.setdefault(row["sample_id"], row)
+    finally:
+        engine.dispose()
     return answers
 
 
@@ -110,6 +128,7 @@ def generate_answers(
         "run", str(input_path), "--out", str(answers_dir), "--model", model,
         "--mode", "vanilla", "--max-new-tokens", str(max_new_tokens),
         "--temperature", str(temperature), "--seed", str(seed), "--device", device,
+        "--db-url", answers_url(answers_dir),
     ]  # fmt: skip
     try:
         cli.main(args=args, prog_name="eagle2-batch", standalone_mode=False)
@@ -318,10 +337,11 @@ def ensure_answers(
 )
 @click.option(
     "--precision",
-    type=click.Choice(["bf16", "fp32"]),
-    default="bf16",
+    type=click.Choice(["auto", "bf16", "fp32"]),
+    default="auto",
     show_default=True,
-    help="bf16: autocast around the head (fp32 master weights).",
+    help="bf16: autocast around the head (fp32 master weights); auto: bf16 on cuda, fp32 on "
+    "cpu (CPUs without bf16 matrix units run bf16 autocast far slower: 30x measured on AVX2).",
 )
 @click.option(
     "--seed",
@@ -387,7 +407,7 @@ def train_draft(
         lr=lr,
         warmup_steps=warmup_steps,
         checkpoint_every=checkpoint_every,
-        autocast=precision == "bf16",
+        autocast=precision == "bf16" or (precision == "auto" and device == "cuda"),
         seed=seed,
         device=device,
     )

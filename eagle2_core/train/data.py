@@ -195,4 +195,5 @@ def load_shards(paths: Iterable[str | Path]) -> list[FeatureSequence]:
 
 
 def count_answer_tokens(sequences: Iterable[FeatureSequence]) -> int:
+    """Answer tokens in the data: the size a model card reports."""
     return sum(int(s.loss_mask.sum()) for s in sequences)
