@@ -1,0 +1,179 @@
+"""SampleDecoder: settings precedence, multi-turn aggregation, failure rows, draft policy."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle2_core.draft import save_draft
+from eagle2_core.engine import DecodeConfig, Engine
+from producer.validate import Request
+from tests.eagle2_core.tiny import tiny_head, tiny_target
+from workers.db import SAMPLE_FIELDS
+from workers.decoding import DraftUnavailableError, SampleDecoder
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}t2"
+JOB = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 4, "depth": 3}
+
+
+def chat_target(**kwargs):
+    """A tiny random Llama whose tokenizer has a chat template (tiny ones have none)."""
+    target = tiny_target(**kwargs)
+    target.tokenizer.chat_template = CHAT_TEMPLATE
+    return target
+
+
+def save_tiny_model(root: Path) -> tuple[Path, Path]:
+    """A tiny model + draft head on disk, loadable by name as real workers load them."""
+    target = chat_target()
+    model_dir, draft_dir = root / "tiny-llama", root / "tiny-eagle"
+    target.model.save_pretrained(model_dir)
+    target.tokenizer.save_pretrained(model_dir)
+    save_draft(tiny_head(target), draft_dir)
+    return model_dir, draft_dir
+
+
+def request(sample_id: str = "s1", followups=(), overrides=None, content="t5 t6 t7") -> Request:
+    return Request(
+        sample_id=sample_id,
+        line_no=3,
+        messages=[{"role": "user", "content": content}],
+        followups=list(followups),
+        overrides=dict(overrides or {}),
+        custom_id="c-1",
+        category="math",
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a busy 2-core machine: 2 threads spin-wait, 20-50x slower than 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def decoder() -> SampleDecoder:
+    target = chat_target(eos=None)  # no EOS: every answer runs to max_new_tokens
+    return SampleDecoder(
+        Engine(target, tiny_head(target)), model="tiny-llama", draft="tiny-eagle", mode="eagle2"
+    )
+
+
+def decode(decoder: SampleDecoder, req: Request, params=JOB) -> dict:
+    return decoder.decode(req, params, "job1", 2, "cpu0@test", "cpu")
+
+
+def test_row_has_every_samples_field_and_identity(decoder):
+    row = decode(decoder, request())
+    assert set(row) == set(SAMPLE_FIELDS)
+    assert row["status"] == "ok" and row["error"] is None
+    assert (row["job_id"], row["sample_id"], row["line_no"], row["shard"]) == ("job1", "s1", 3, 2)
+    assert (row["custom_id"], row["category"]) == ("c-1", "math")
+    assert (row["model"], row["draft"], row["mode"]) == ("tiny-llama", "tiny-eagle", "eagle2")
+    assert (row["worker"], row["device"]) == ("cpu0@test", "cpu")
+    assert row["completion_tokens"] == 8 and row["finish_reason"] == "length"
+    assert row["turn_outputs"] == [row["output_text"]]
+
+
+def test_per_line_overrides_win_over_job_params(decoder):
+    req = request(overrides={"max_new_tokens": 3, "temperature": 0.7, "top_p": 0.9, "seed": 11})
+    settings = decoder.config_for(req, {**JOB, "seed": 5, "shard_size": 4})
+    assert settings == {
+        "max_new_tokens": 3,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 11,
+        "top_k": 4,
+        "depth": 3,
+        "total_tokens": DecodeConfig().total_tokens,
+    }
+    row = decode(decoder, req)
+    assert row["completion_tokens"] == 3
+    assert (row["temperature"], row["top_p"], row["seed"]) == (0.7, 0.9, 11)
+    # A seeded sampled answer is reproducible.
+    assert decode(decoder, req)["output_text"] == row["output_text"]
+    # Without overrides the job's parameters apply.
+    plain = decode(decoder, request(), {**JOB, "max_new_tokens": 5, "seed": 5})
+    assert plain["completion_tokens"] == 5 and plain["seed"] == 5
+
+
+def test_multi_turn_sums_statistics_over_turns(decoder):
+    req = request(followups=["t8 t9", "t10"])
+    row = decode(decoder, req)
+    config = DecodeConfig(mode="eagle2", **decoder.config_for(req, JOB))
+    turns = decoder.engine.chat(req.messages, req.followups, config)
+    assert row["turn_outputs"] == [t.text for t in turns]
+    assert row["output_text"] == turns[-1].text
+    assert row["completion_tokens"] == 3 * 8 == sum(t.completion_tokens for t in turns)
+    assert row["prompt_tokens"] == sum(t.prompt_tokens for t in turns)
+    assert row["n_cycles"] == sum(t.stats.n_cycles for t in turns)
+    width = max(len(t.stats.accept_hist) for t in turns)
+    hist = [sum(t.stats.accept_hist[k] for t in turns if k < len(t.stats.accept_hist))
+            for k in range(width)]  # fmt: skip
+    assert row["accept_hist"] == hist and sum(hist) == row["n_cycles"]
+    assert len(row["depth_attempts"]) == len(row["depth_accepts"])
+    assert all(a <= t for a, t in zip(row["depth_accepts"], row["depth_attempts"], strict=True))
+    rounds = sum(t.stats.round_tokens for t in turns)
+    assert row["mean_accept_length"] == pytest.approx(rounds / row["n_cycles"])
+    assert row["total_ms"] >= row["draft_ms"] + row["verify_ms"] > 0
+    assert row["tokens_per_s"] == pytest.approx(24 / (row["total_ms"] / 1000))
+
+
+def assert_failed(row: dict, error: str) -> None:
+    assert set(row) == set(SAMPLE_FIELDS)
+    assert row["status"] == "failed" and error in row["error"]
+    measured = ("output_text", "completion_tokens", "n_cycles", "total_ms", "accept_hist")
+    assert all(row[k] is None for k in measured)
+    assert row["sample_id"] == "s1" and row["model"] == "tiny-llama"
+
+
+def test_too_long_prompt_is_a_failed_row(decoder):
+    long_prompt = " ".join(["t5"] * 600)  # the tiny model's context holds 512
+    assert_failed(decode(decoder, request(content=long_prompt)), "PromptError")
+
+
+def test_invalid_settings_are_a_failed_row(decoder):
+    row = decode(decoder, request(overrides={"temperature": -1.0}))
+    assert_failed(row, "ValueError")
+    assert row["temperature"] == -1.0
+
+
+def test_engine_crash_is_a_failed_row_and_logged(decoder, monkeypatch, caplog):
+    def boom(*_args, **_kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(decoder.engine, "chat", boom)
+    with caplog.at_level(logging.ERROR, logger="workers.decoding"):
+        row = decode(decoder, request())
+    assert_failed(row, "RuntimeError: device lost")
+    assert "sample s1 of job job1 failed" in caplog.text
+
+
+def test_speculative_modes_refuse_to_run_without_a_draft(tmp_path):
+    target = chat_target()
+    for mode in ("eagle2", "eagle1"):
+        with pytest.raises(DraftUnavailableError):
+            SampleDecoder(Engine(target), model="tiny", draft=None, mode=mode)
+        with pytest.raises(DraftUnavailableError, match="--draft"):
+            SampleDecoder.load(str(tmp_path / "not-loaded"), None, mode)  # refused before load
+    vanilla = SampleDecoder(Engine(target), model="tiny", draft="ignored", mode="vanilla")
+    row = vanilla.decode(request(), JOB, "job1", 0, "w", None)
+    assert row["status"] == "ok" and row["draft"] is None and row["device"] == "cpu"
+
+
+def test_load_by_name_from_disk_and_random_head_warns(tmp_path, caplog):
+    model_dir, draft_dir = save_tiny_model(tmp_path)
+    loaded = SampleDecoder.load(str(model_dir), str(draft_dir), "eagle2")
+    assert loaded.draft == str(draft_dir) and loaded.engine.draft_head is not None
+    assert decode(loaded, request())["status"] == "ok"
+    with caplog.at_level(logging.WARNING, logger="workers.decoding"):
+        rand = SampleDecoder.load(str(model_dir), "random", "eagle1", target=loaded.engine.target)
+    assert "RANDOM, UNTRAINED DRAFT HEAD" in caplog.text
+    assert rand.engine.target is loaded.engine.target and rand.draft == "random"

@@ -1,0 +1,232 @@
+"""process_shard on SQLite and Postgres: storage, redelivery, Parquet completeness, cancel."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import OperationalError
+
+from eagle2_core.engine import Engine as DecodeEngine
+from producer.validate import Request
+from tests.eagle2_core.tiny import tiny_head
+from tests.workers.test_decoding import chat_target
+from workers import db, shards
+from workers.decoding import SampleDecoder
+from workers.parquet_sink import read_job_parquet, shard_path
+from workers.shards import JobNotFoundError, process_shard
+
+N, SHARD_SIZE = 10, 4  # shards 0 and 1 hold 4 samples, shard 2 holds 2
+WORKER = "cpu0@test"
+
+
+class Crash(BaseException):
+    """Stands for the worker process dying: nothing catches it, no cleanup runs."""
+
+
+class Decoder:
+    """Wraps the real decoder: counts what it decodes, can crash or act after n samples."""
+
+    def __init__(self, inner: SampleDecoder, after: int | None = None, action=None):
+        self.inner, self.after, self.action = inner, after, action
+        self.decoded: list[str] = []
+
+    def decode(self, request, *args):
+        if self.after is not None and len(self.decoded) == self.after:
+            self.action()
+        self.decoded.append(request.sample_id)
+        return self.inner.decode(request, *args)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a busy 2-core machine: 2 threads spin-wait, 20-50x slower than 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def decoder() -> SampleDecoder:
+    target = chat_target()
+    return SampleDecoder(
+        DecodeEngine(target, tiny_head(target)), model="tiny-llama", draft="tiny-eagle"
+    )
+
+
+@pytest.fixture
+def small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shards, "BATCH_SIZE", 2)
+
+
+def make_job(engine: Engine, prompts: list[str] | None = None) -> str:
+    """A job with its manifest (Request payloads) and shards, as the producer writes it."""
+    prompts = prompts or [f"t{5 + i} t{6 + i} t7" for i in range(N)]
+    n_shards = (len(prompts) + SHARD_SIZE - 1) // SHARD_SIZE
+    job_id = db.insert_job(
+        engine,
+        input_path="prompts.jsonl",
+        model="tiny-llama",
+        draft="tiny-eagle",
+        mode="eagle2",
+        params={"max_new_tokens": 6, "top_k": 4, "depth": 3, "total_tokens": 12},
+        n_expected=len(prompts),
+        n_shards=n_shards,
+    )
+    requests = [
+        Request(f"q{i}", i + 1, [{"role": "user", "content": p}], category="c")
+        for i, p in enumerate(prompts)
+    ]
+    db.insert_requests(
+        engine,
+        [
+            {"job_id": job_id, "sample_id": r.sample_id, "line_no": r.line_no,
+             "shard": i // SHARD_SIZE, "payload": r.to_payload()}
+            for i, r in enumerate(requests)
+        ],
+    )  # fmt: skip
+    db.insert_shards(
+        engine,
+        [
+            {"job_id": job_id, "shard": s, "line_start": s * SHARD_SIZE + 1,
+             "line_end": min((s + 1) * SHARD_SIZE, len(prompts)),
+             "n_samples": min(SHARD_SIZE, len(prompts) - s * SHARD_SIZE)}
+            for s in range(n_shards)
+        ],
+    )  # fmt: skip
+    return job_id
+
+
+def shard_row(engine: Engine, job_id: str, shard: int) -> dict:
+    stmt = select(db.shards_t).where(db.shards_t.c.job_id == job_id, db.shards_t.c.shard == shard)
+    with engine.connect() as conn:
+        return dict(conn.execute(stmt).mappings().one())
+
+
+def stored(engine: Engine, job_id: str, shard: int | None = None) -> list[dict]:
+    return list(db.iter_samples(engine, job_id, shard=shard))
+
+
+def parquet_ids(tmp_path, job_id: str, shard: int) -> list[str]:
+    return pq.read_table(shard_path(tmp_path, job_id, shard)).column("sample_id").to_pylist()
+
+
+@pytest.fixture
+def out(tmp_path) -> Iterator:
+    yield tmp_path / "out"
+
+
+def test_whole_job_stored_once_in_database_and_parquet(engine, decoder, out):
+    job_id = make_job(engine)
+    progress = []
+    results = [
+        process_shard(
+            engine, decoder, job_id, s, out, WORKER, "cpu",
+            on_progress=lambda row, done, total: progress.append((row["sample_id"], done, total)),
+        )
+        for s in range(3)
+    ]  # fmt: skip
+    assert [r.state for r in results] == ["done"] * 3
+    assert [r.decoded for r in results] == [r.stored for r in results] == [4, 4, 2]
+    assert [r.job_state for r in results] == ["running", "running", "completed"]
+    assert progress[:2] == [("q0", 1, 4), ("q1", 2, 4)] and len(progress) == N
+    assert results[0].decode_ms > 0 and results[0].wall_s > 0
+    rows = stored(engine, job_id)
+    assert [r["sample_id"] for r in rows] == [f"q{i}" for i in range(N)]
+    assert {(r["worker"], r["device"], r["status"]) for r in rows} == {(WORKER, "cpu", "ok")}
+    table = read_job_parquet(out, job_id)
+    assert table.column("sample_id").to_pylist() == [f"q{i}" for i in range(N)]
+    assert table.column("output_text").to_pylist() == [r["output_text"] for r in rows]
+    for s in range(3):
+        row = shard_row(engine, job_id, s)
+        assert (row["state"], row["attempts"], row["worker"]) == ("done", 1, WORKER)
+        assert row["parquet_path"] == str(shard_path(out, job_id, s))
+    assert db.get_job(engine, job_id)["state"] == "completed"
+
+
+def test_redelivered_shard_decodes_only_what_is_missing(engine, decoder, out, small_batches):
+    job_id = make_job(engine)
+    crashing = Decoder(decoder, after=3, action=lambda: (_ for _ in ()).throw(Crash()))
+    with pytest.raises(Crash):
+        process_shard(engine, crashing, job_id, 0, out, WORKER)
+    before = stored(engine, job_id, 0)
+    assert [r["sample_id"] for r in before] == ["q0", "q1"]  # one batch flushed, one lost
+    assert shard_row(engine, job_id, 0)["state"] == "running"  # the process died
+    assert not shard_path(out, job_id, 0).exists()
+
+    again = Decoder(decoder)
+    result = process_shard(engine, again, job_id, 0, out, "cpu0@other")
+    assert again.decoded == ["q2", "q3"]
+    assert (result.decoded, result.stored, result.skipped) == (2, 2, 2)
+    after = stored(engine, job_id, 0)
+    assert after[:2] == before  # the first attempt's rows are kept as they were
+    assert [r["worker"] for r in after] == [WORKER, WORKER, "cpu0@other", "cpu0@other"]
+    assert parquet_ids(out, job_id, 0) == ["q0", "q1", "q2", "q3"]  # complete, not just q2, q3
+    row = shard_row(engine, job_id, 0)
+    assert (row["state"], row["attempts"], row["worker"]) == ("done", 2, "cpu0@other")
+
+    # A duplicate delivery of the finished shard decodes nothing and keeps the file whole.
+    dup = Decoder(decoder)
+    result = process_shard(engine, dup, job_id, 0, out, WORKER)
+    assert dup.decoded == [] and (result.state, result.skipped) == ("done", 4)
+    assert parquet_ids(out, job_id, 0) == ["q0", "q1", "q2", "q3"]
+    assert len(stored(engine, job_id)) == 4
+
+
+def test_errors_fail_the_shard_but_retryable_database_errors_do_not(engine, decoder, out):
+    job_id = make_job(engine)
+
+    def fail():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        process_shard(engine, Decoder(decoder, after=1, action=fail), job_id, 1, out, WORKER)
+    row = shard_row(engine, job_id, 1)
+    assert row["state"] == "failed" and row["error"] == "OSError: disk full"
+
+    def connection_lost():
+        raise OperationalError("INSERT ...", {}, ConnectionError("server closed the connection"))
+
+    with pytest.raises(OperationalError):  # left for the caller to retry, not failed
+        process_shard(engine, Decoder(decoder, 1, connection_lost), job_id, 2, out, WORKER)
+    assert shard_row(engine, job_id, 2)["state"] == "running"
+
+
+def test_failed_sample_is_stored_and_fails_the_job(engine, decoder, out):
+    job_id = make_job(engine, ["t5 t6", " ".join(["t9"] * 600)])  # the second is too long
+    result = process_shard(engine, decoder, job_id, 0, out, WORKER)
+    assert (result.state, result.failed, result.job_state) == ("done", 1, "failed")
+    rows = stored(engine, job_id)
+    assert [r["status"] for r in rows] == ["ok", "failed"]
+    assert "PromptError" in rows[1]["error"]
+    assert pq.read_table(shard_path(out, job_id, 0)).column("status").to_pylist() == [
+        "ok",
+        "failed",
+    ]
+
+
+def test_cancelled_job_stops_and_leaves_the_shard_cancelled(engine, decoder, out, small_batches):
+    job_id = make_job(engine)
+    db.set_job_state(engine, job_id, "cancelled")
+    untouched = Decoder(decoder)
+    result = process_shard(engine, untouched, job_id, 0, out, WORKER)
+    assert (result.state, result.decoded, untouched.decoded) == ("cancelled", 0, [])
+    assert shard_row(engine, job_id, 0)["state"] == "cancelled"
+
+    job_id = make_job(engine)
+    cancel = Decoder(decoder, after=1, action=lambda: db.set_job_state(engine, job_id, "cancelled"))
+    result = process_shard(engine, cancel, job_id, 0, out, WORKER)
+    assert result.state == "cancelled" and cancel.decoded == ["q0", "q1"]  # stops at the flush
+    assert [r["sample_id"] for r in stored(engine, job_id)] == ["q0", "q1"]
+    assert shard_row(engine, job_id, 0)["state"] == "cancelled"
+    assert not shard_path(out, job_id, 0).exists()
+    assert db.get_job(engine, job_id)["state"] == "cancelled"
+
+
+def test_unknown_job_is_a_clear_error(engine, decoder, out):
+    with pytest.raises(JobNotFoundError, match="another EAGLE2_DATABASE_URL"):
+        process_shard(engine, decoder, "no-such-job", 0, out, WORKER)

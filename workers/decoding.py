@@ -1,0 +1,214 @@
+"""Turn one manifest request into one samples-table row.
+
+A worker process builds one `SampleDecoder` and keeps it for every shard it takes:
+loading a target costs seconds to minutes, decoding a sample a fraction of that. A
+sample that cannot be decoded becomes a row with status 'failed' and the error, never
+an exception, so one bad prompt cannot stop its shard.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle2_core.draft import load_draft, new_draft_head, shipped_draft
+from eagle2_core.engine import MODES, DecodeConfig, Engine, Generation, PromptError
+from eagle2_core.models import Target, load_target
+from producer.validate import Request
+
+log = logging.getLogger(__name__)
+
+# The `draft` value that asks for an untrained head: decodes correctly (verification is
+# lossless) but accepts almost nothing, so it only exercises the machinery.
+RANDOM_DRAFT = "random"
+
+# Job params and per-line overrides that map onto DecodeConfig fields.
+CONFIG_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "top_k", "depth", "total_tokens")
+
+_DEFAULTS = DecodeConfig()
+
+
+class DraftUnavailableError(RuntimeError):
+    """A speculative mode was asked for but no draft head is available."""
+
+
+def describe_device(device: torch.device | str) -> str:
+    """'cpu', or 'cuda:<i> <GPU name>' so rows tell which hardware produced them."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} {torch.cuda.get_device_name(index)}"
+
+
+def _sum_lists(lists: Sequence[Sequence[int]]) -> list[int]:
+    out = [0] * max((len(x) for x in lists), default=0)
+    for values in lists:
+        for i, v in enumerate(values):
+            out[i] += v
+    return out
+
+
+class SampleDecoder:
+    """A loaded target and draft head plus the row format of their outputs."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        model: str,
+        draft: str | None,
+        mode: str = "eagle2",
+        device: str | None = None,
+    ) -> None:
+        """Wrap an already built engine (tests build tiny ones in code).
+
+        `model` and `draft` are the names written to every row; `device` the
+        hardware label (default: described from the target's device).
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode != "vanilla" and engine.draft_head is None:
+            raise DraftUnavailableError(f"mode {mode} needs a draft head; the engine has none")
+        self.engine = engine
+        self.model = model
+        self.draft = draft if mode != "vanilla" else None
+        self.mode = mode
+        self.device = device or describe_device(engine.target.device)
+
+    @classmethod
+    def load(
+        cls,
+        model: str,
+        draft: str | None = None,
+        mode: str = "eagle2",
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        target: Target | None = None,
+    ) -> SampleDecoder:
+        """Load the target and draft head once.
+
+        `draft`: a head directory, None for the head shipped with the model alias, or
+        "random" for an untrained head (testing only). eagle1/eagle2 without any head
+        is refused: decoding without the draft would silently measure something else.
+        Pass a `target` already loaded for `model` to reuse it with another draft.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        head_dir: Path | None = None
+        if mode != "vanilla" and draft is None:
+            head_dir = shipped_draft(model)
+            if head_dir is None:
+                raise DraftUnavailableError(
+                    f"mode {mode} needs an EAGLE draft head and none ships for model "
+                    f"{model!r}: pass --draft DIR (train one with `eagle2-batch "
+                    "train-draft`), or --mode vanilla to decode without one"
+                )
+            draft = f"shipped:{model}"  # the package path differs from host to host
+        elif mode != "vanilla" and draft != RANDOM_DRAFT:
+            head_dir = Path(draft)
+        if target is None:
+            target = load_target(model, dtype=dtype, device=device)
+        head = None
+        if head_dir is not None:
+            head = load_draft(head_dir, target.model.config)
+        elif mode != "vanilla":
+            log.warning(
+                "USING A RANDOM, UNTRAINED DRAFT HEAD for %s: outputs are correct but "
+                "nothing is sped up (tau ~ 1). This is for testing only: pass a trained head.",
+                model,
+            )
+            head = new_draft_head(target.model.config)
+        return cls(Engine(target, head), model=model, draft=draft, mode=mode)
+
+    def config_for(self, request: Request, job_params: Mapping[str, Any]) -> dict[str, Any]:
+        """The decode settings of one sample: defaults < job params < per-line overrides."""
+        settings = {k: getattr(_DEFAULTS, k) for k in CONFIG_KEYS}
+        settings.update({k: job_params[k] for k in CONFIG_KEYS if job_params.get(k) is not None})
+        settings.update({k: v for k, v in request.overrides.items() if k in CONFIG_KEYS})
+        return settings
+
+    def decode(
+        self,
+        request: Request,
+        job_params: Mapping[str, Any],
+        job_id: str,
+        shard: int,
+        worker: str,
+        device: str | None = None,
+    ) -> dict[str, Any]:
+        """Answer every turn of `request`; one row with all of `workers.db.SAMPLE_FIELDS`.
+
+        output_text is the final turn's answer, turn_outputs every turn's. Token counts,
+        cycles, histograms and times are summed over the turns (prompt_tokens thus counts
+        each turn's whole prompt, what was prefilled); tau = round tokens / cycles.
+        finish_reason is the final turn's.
+        """
+        settings = self.config_for(request, job_params)
+        row: dict[str, Any] = {
+            "job_id": job_id,
+            "sample_id": request.sample_id,
+            "line_no": request.line_no,
+            "shard": shard,
+            "custom_id": request.custom_id,
+            "category": request.category,
+            "mode": self.mode,
+            "model": self.model,
+            "draft": self.draft,
+            "temperature": float(settings["temperature"]),
+            "top_p": float(settings["top_p"]),
+            "seed": settings["seed"],
+            "worker": worker,
+            "device": device or self.device,
+        }
+        try:
+            config = DecodeConfig(mode=self.mode, **settings)
+            turns = self.engine.chat(request.messages, request.followups, config)
+        except (PromptError, ValueError) as exc:  # this sample's prompt or settings
+            row.update(_empty_results(), status="failed", error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a bug or the hardware: keep the shard going, but loudly
+            log.exception("sample %s of job %s failed", request.sample_id, job_id)
+            row.update(_empty_results(), status="failed", error=f"{type(exc).__name__}: {exc}")
+        else:
+            row.update(_results(turns), status="ok", error=None)
+        row["created_at"] = datetime.now(UTC)
+        return row
+
+
+def _empty_results() -> dict[str, Any]:
+    keys = (
+        "output_text turn_outputs prompt_tokens completion_tokens finish_reason n_cycles "
+        "mean_accept_length accept_hist depth_attempts depth_accepts draft_ms verify_ms "
+        "total_ms tokens_per_s"
+    ).split()
+    return dict.fromkeys(keys)
+
+
+def _results(turns: list[Generation]) -> dict[str, Any]:
+    stats = [t.stats for t in turns]
+    n_cycles = sum(s.n_cycles for s in stats)
+    round_tokens = sum(s.round_tokens for s in stats)
+    completion = sum(t.completion_tokens for t in turns)
+    total_ms = sum(s.total_ms for s in stats)
+    return {
+        "output_text": turns[-1].text,
+        "turn_outputs": [t.text for t in turns],
+        "prompt_tokens": sum(t.prompt_tokens for t in turns),
+        "completion_tokens": completion,
+        "finish_reason": turns[-1].finish_reason,
+        "n_cycles": n_cycles,
+        "mean_accept_length": round_tokens / n_cycles if n_cycles else None,
+        "accept_hist": _sum_lists([s.accept_hist for s in stats]),
+        "depth_attempts": _sum_lists([s.depth_attempts for s in stats]),
+        "depth_accepts": _sum_lists([s.depth_accepts for s in stats]),
+        "draft_ms": sum(s.draft_ms for s in stats),
+        "verify_ms": sum(s.verify_ms for s in stats),
+        "total_ms": total_ms,
+        "tokens_per_s": completion / (total_ms / 1000) if total_ms > 0 else None,
+    }

@@ -1,0 +1,188 @@
+"""Process one shard: decode what is missing, store it, write the shard's Parquet file.
+
+This is the single shard-processing path: the Celery task (workers/tasks.py) and the
+embedded `eagle2-batch run` both call `process_shard`, so it knows nothing of Celery.
+It is safe to run twice, even at once (a redelivered message, `resume`): it decodes only
+the samples not yet stored, inserts ignore rows already there, and the Parquet file is
+rebuilt from every stored row of the shard, so it is complete whichever run writes last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, InterfaceError, InternalError, OperationalError
+
+from producer.validate import Request
+from workers import db
+from workers.parquet_sink import write_shard_parquet
+
+if TYPE_CHECKING:  # decoding imports torch; the producer side of this module must not
+    from workers.decoding import SampleDecoder
+
+# A crash loses at most one batch of decoded samples: flush every BATCH_SIZE rows, or
+# sooner when FLUSH_S have passed (long samples), which is also the heartbeat period.
+BATCH_SIZE = 8
+FLUSH_S = 10.0
+
+# Database errors a retry can cure: connection lost, server restarting, deadlock, a
+# read-only replica during failover. Others (a violated constraint, a value too long, bad
+# SQL) would fail the same way again, so they fail the shard at once.
+RETRYABLE_DB_ERRORS = (OperationalError, InterfaceError, InternalError)
+
+ProgressCallback = Callable[[dict[str, Any], int, int], None]
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """What one call did to a shard."""
+
+    job_id: str
+    shard: int
+    state: str  # 'done' or 'cancelled'
+    decoded: int  # samples decoded by this call
+    stored: int  # of those, rows newly stored (fewer if a concurrent run stored them first)
+    failed: int  # decoded samples with status 'failed'
+    skipped: int  # samples already stored before this call (a redelivered shard)
+    parquet_path: Path | None
+    job_state: str
+    decode_ms: float  # summed total_ms of the decoded samples
+    wall_s: float
+
+
+@dataclass
+class _Tally:
+    decoded: int = 0
+    stored: int = 0
+    failed: int = 0
+    skipped: int = 0
+    decode_ms: float = 0.0
+
+
+class JobNotFoundError(LookupError):
+    """The task names a job this database does not hold."""
+
+
+def load_job(engine: Engine, job_id: str) -> dict[str, Any]:
+    """The job's row; a clear error when this database does not hold it."""
+    job = db.get_job(engine, job_id)
+    if job is None:
+        raise JobNotFoundError(
+            f"job {job_id!r} is not in the database {engine.url.render_as_string()}: "
+            "was it submitted against another EAGLE2_DATABASE_URL?"
+        )
+    return job
+
+
+def mark_failed(engine: Engine, job_id: str, shard: int, worker: str, exc: Exception) -> None:
+    """Record why a shard failed; best effort, the original error is what matters."""
+    with contextlib.suppress(DBAPIError):
+        error = f"{type(exc).__name__}: {exc}"
+        db.set_shard_state(engine, job_id, shard, "failed", worker=worker, error=error)
+
+
+def _cancelled(engine: Engine, job_id: str) -> bool:
+    return load_job(engine, job_id)["state"] == "cancelled"
+
+
+def process_shard(
+    db_engine: Engine,
+    decoder: SampleDecoder,
+    job_id: str,
+    shard: int,
+    out_dir: str | Path,
+    worker: str,
+    device: str | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> ShardResult:
+    """Decode and store the shard's missing samples, then write its Parquet file.
+
+    Marks the shard running (one more attempt), flushes rows every few samples with a
+    heartbeat, and stops early, leaving the shard 'cancelled', once the job is cancelled.
+    At the end the shard is 'done' and the job's state is re-derived from the stored
+    counts. `on_progress(row, n_done, n_pending)` is called after each decoded sample.
+
+    Errors mark the shard 'failed' and are re-raised, except `RETRYABLE_DB_ERRORS`, which
+    are re-raised untouched for the caller to retry (nothing stored is lost).
+    """
+    started = time.perf_counter()
+    shard = int(shard)
+    tally = _Tally()
+
+    def result(state: str, path: Path | None, job_state: str) -> ShardResult:
+        return ShardResult(
+            job_id=job_id,
+            shard=shard,
+            state=state,
+            **asdict(tally),
+            parquet_path=path,
+            job_state=job_state,
+            wall_s=time.perf_counter() - started,
+        )
+
+    def cancel() -> ShardResult:
+        db.set_shard_state(
+            db_engine, job_id, shard, "cancelled", worker=worker, expect=["queued", "running"]
+        )
+        return result("cancelled", None, "cancelled")
+
+    job = load_job(db_engine, job_id)
+    if job["state"] == "cancelled":
+        return cancel()
+    db.set_shard_state(db_engine, job_id, shard, "running", worker=worker)
+    if job["state"] == "queued":
+        db.set_job_state(db_engine, job_id, "running", expect=["queued"])
+    params = job["params"] or {}
+    try:
+        tally.skipped = len(db.done_sample_ids(db_engine, job_id, shard))
+        pending = db.pending_requests(db_engine, job_id, shard)
+        batch: list[dict[str, Any]] = []
+        last_flush = time.monotonic()
+        for row in pending:
+            request = Request.from_payload(
+                {**row["payload"], "sample_id": row["sample_id"], "line_no": row["line_no"]}
+            )
+            sample = decoder.decode(request, params, job_id, shard, worker, device)
+            batch.append(sample)
+            tally.decoded += 1
+            tally.failed += sample["status"] == "failed"
+            tally.decode_ms += sample["total_ms"] or 0.0
+            if on_progress is not None:
+                on_progress(sample, tally.decoded, len(pending))
+            if len(batch) >= BATCH_SIZE or time.monotonic() - last_flush >= FLUSH_S:
+                tally.stored += db.insert_samples(db_engine, batch)
+                batch.clear()
+                db.heartbeat_shard(db_engine, job_id, shard)
+                last_flush = time.monotonic()
+                if tally.decoded < len(pending) and _cancelled(db_engine, job_id):
+                    return cancel()
+        tally.stored += db.insert_samples(db_engine, batch)
+        metadata = {"model": job["model"], "draft": job["draft"], "mode": job["mode"]}
+        path = write_shard_parquet(
+            out_dir,
+            job_id,
+            shard,
+            db.iter_samples(db_engine, job_id, shard=shard),
+            {**metadata, "params": params},
+        )
+        db.set_shard_state(
+            db_engine,
+            job_id,
+            shard,
+            "done",
+            worker=worker,
+            parquet_path=str(path),
+            expect=["running"],
+        )
+    except RETRYABLE_DB_ERRORS:
+        raise
+    except Exception as exc:
+        mark_failed(db_engine, job_id, shard, worker, exc)
+        raise
+    return result("done", path, db.refresh_job_state(db_engine, job_id))

@@ -1,0 +1,176 @@
+"""The shard task and the producer's helper that enqueues it.
+
+A worker process serves one model. Its target is loaded once: at process start when the
+launcher names the model (`eagle2-batch worker --model M`, so a model that cannot load
+stops the worker before it takes any shard), else by the first shard, whose model it then
+keeps. Loading happens in the process that runs tasks (worker_process_init, or lazily),
+never in a parent that forks. torch is imported only there: the producer imports this
+module just to enqueue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from celery import Task
+from celery.signals import worker_process_init
+from sqlalchemy import Engine
+
+from workers import db
+from workers.celery_app import app, queue_for
+from workers.settings import Settings, load_settings
+from workers.shards import RETRYABLE_DB_ERRORS, load_job, mark_failed, process_shard
+
+if TYPE_CHECKING:
+    from eagle2_core.models import Target
+    from workers.decoding import SampleDecoder
+
+log = logging.getLogger(__name__)
+
+# Set by the launcher for each worker process it starts.
+WORKER_MODEL_ENV = "EAGLE2_WORKER_MODEL"  # the one model this process serves
+WORKER_DRAFT_ENV = "EAGLE2_WORKER_DRAFT"  # this host's draft head, instead of the job's
+WORKER_DEVICE_ENV = "EAGLE2_WORKER_DEVICE"  # 'cuda' or 'cpu'
+
+
+class WrongModelError(RuntimeError):
+    """A shard asks for a model this worker does not serve (a routing mistake)."""
+
+
+@dataclass
+class _ProcessState:
+    settings: Settings | None = None
+    engine: Engine | None = None
+    model: str | None = None
+    target: Target | None = None
+    decoder_key: tuple[str, str | None, str] | None = None
+    decoder: SampleDecoder | None = None
+
+
+_state = _ProcessState()
+
+
+def _settings() -> Settings:
+    if _state.settings is None:
+        _state.settings = load_settings()
+    return _state.settings
+
+
+def _db() -> Engine:
+    # Created in the process that uses it: pooled connections must not cross a fork.
+    if _state.engine is None:
+        _state.engine = db.make_engine(_settings().database_url)
+    return _state.engine
+
+
+def _device_and_dtype() -> tuple[str, Any]:
+    import torch
+
+    device = os.environ.get(WORKER_DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+    # bf16 on GPUs: half the memory, the native speed; fp32 on CPUs, where bf16 gains nothing.
+    return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def _load_target(model: str) -> Target:
+    from eagle2_core.models import load_target
+
+    device, dtype = _device_and_dtype()
+    log.info("loading model %s on %s (%s)", model, device, dtype)
+    target = load_target(model, dtype=dtype, device=device)
+    _state.model, _state.target = model, target
+    return target
+
+
+@worker_process_init.connect
+def _preload_served_model(**_: Any) -> None:
+    """Load the launcher-named model before taking shards; exit if it cannot load.
+
+    A worker that cannot load its model would otherwise take shard after shard and fail
+    each one. SystemExit, unlike an Exception, is not swallowed by the signal dispatch.
+    """
+    model = os.environ.get(WORKER_MODEL_ENV)
+    if not model:
+        return
+    try:
+        _load_target(model)
+    except Exception as exc:
+        log.critical("cannot load model %s: %s: %s", model, type(exc).__name__, exc)
+        raise SystemExit(1) from exc
+
+
+def decoder_for(job: dict[str, Any]) -> SampleDecoder:
+    """This process's decoder for the job's model, draft and mode; loaded once, then reused.
+
+    The draft named by the worker (`--draft`) wins over the job's: head paths are per host.
+    A new draft or mode reuses the loaded target; another model is refused.
+    """
+    from workers.decoding import SampleDecoder
+
+    served = os.environ.get(WORKER_MODEL_ENV) or _state.model
+    if served is not None and job["model"] != served:
+        raise WrongModelError(
+            f"this worker serves model {served!r} but job {job['id']} asks for "
+            f"{job['model']!r}: start a worker with --model {job['model']} (queue "
+            f"{queue_for(job['model'])})"
+        )
+    draft = os.environ.get(WORKER_DRAFT_ENV) or job["draft"]
+    key = (job["model"], draft, job["mode"])
+    if _state.decoder is not None and _state.decoder_key == key:
+        return _state.decoder
+    target = _state.target if _state.model == job["model"] else None
+    if target is None:
+        target = _load_target(job["model"])
+    device, dtype = _device_and_dtype()
+    decoder = SampleDecoder.load(
+        job["model"], draft, job["mode"], device=device, dtype=dtype, target=target
+    )
+    _state.decoder_key, _state.decoder = key, decoder
+    return decoder
+
+
+@app.task(
+    name="eagle2.run_shard",
+    bind=True,
+    # The database is briefly unreachable (restart, failover): retry, nothing is lost.
+    autoretry_for=RETRYABLE_DB_ERRORS,
+    retry_backoff=2,
+    retry_backoff_max=300,
+    retry_jitter=True,
+    max_retries=10,
+)
+def run_shard(self: Task, job_id: str, shard: int) -> dict[str, Any]:
+    """Process one shard of a job (workers/shards.py); returns a summary for the log."""
+    engine = _db()
+    worker = self.request.hostname or socket.gethostname()
+    job = load_job(engine, job_id)
+    try:
+        decoder = decoder_for(job)
+    except Exception as exc:  # wrong model, unloadable model or draft: fail the shard visibly
+        mark_failed(engine, job_id, shard, worker, exc)
+        raise
+    result = process_shard(
+        engine, decoder, job_id, shard, _settings().output_dir, worker, decoder.device
+    )
+    return {
+        "job_id": job_id,
+        "shard": result.shard,
+        "state": result.state,
+        "decoded": result.decoded,
+        "failed": result.failed,
+        "skipped": result.skipped,
+        "job_state": result.job_state,
+        "decode_s": round(result.decode_ms / 1000, 3),
+        "wall_s": round(result.wall_s, 3),
+    }
+
+
+def enqueue_shard(job_id: str, shard: int, model: str) -> str:
+    """Send one shard of a job to its model's queue; returns the Celery task id.
+
+    Write the job, its manifest and its shards to the database first: the task reads them.
+    """
+    return run_shard.apply_async(args=(job_id, int(shard)), queue=queue_for(model)).id
