@@ -200,24 +200,26 @@ def ensure_answers(
     seed: int,
     device: str,
 ) -> dict[str, dict[str, Any]]:
-    """Answers to every item, from OUT/answers or by running the batch path once more.
+    """Answers to every item: those already in OUT/answers, plus a `run` over the rest.
 
-    A marker holding the input's digest records a finished `run`, so prompts that failed
-    there (too long, say) do not make every later call decode the whole input again.
+    Only the unanswered prompts go to `run`, so nothing is decoded twice, whether the
+    last call was interrupted or the selection grew. A marker holding the selection's
+    digest records a finished `run`, so prompts that failed there (too long, say) do not
+    send every later call back to decoding.
     """
     directory = out / "answers"
-    text = "".join(json.dumps({"id": i, "messages": m}) + "\n" for i, m in items)
-    digest = hashlib.sha256(text.encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(items).encode()).hexdigest()
     marker = directory / "complete.sha256"
     answers = read_answers(directory)
-    finished = marker.exists() and marker.read_text() == digest
-    if finished or all(i in answers for i, _ in items):
+    missing = [(i, m) for i, m in items if i not in answers]
+    if not missing or (marker.exists() and marker.read_text() == digest):
         return answers
+    text = "".join(json.dumps({"id": i, "messages": m}) + "\n" for i, m in missing)
     input_path = directory / "input.jsonl"
     if not input_path.exists() or input_path.read_text(encoding="utf-8") != text:
         directory.mkdir(parents=True, exist_ok=True)
-        input_path.write_text(text, encoding="utf-8")  # unchanged input: `run` resumes
-    click.echo(f"answers: the target answers {len(items)} prompts (vanilla decoding)")
+        input_path.write_text(text, encoding="utf-8")  # unchanged input: `run` resumes its job
+    click.echo(f"answers: the target answers {len(missing)} prompts (vanilla decoding)")
     generate_answers(input_path, directory, model, max_new_tokens, temperature, seed, device)
     marker.write_text(digest)
     return read_answers(directory)

@@ -85,3 +85,14 @@ def test_train_draft_end_to_end_and_resume(
     result = CliRunner().invoke(main, [*args, "--resume"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+    # A larger selection sends only the new prompt to `run`.
+    sent: list[list[str]] = []
+    monkeypatch.setattr(
+        train_cli,
+        "generate_answers",
+        lambda path, *a: sent.append([json.loads(x)["id"] for x in path.read_text().splitlines()]),
+    )
+    train, val = train_cli.select_prompts(prompts, 9, 2)
+    train_cli.ensure_answers(out, train + val, str(model_dir), 10, 0.0, 0, "cpu")
+    assert sent == [[train[8][0]]]
