@@ -44,6 +44,7 @@ from producer.jobs import (
 from producer.validate import MAX_SEED
 from workers.db import (
     get_job,
+    jobs_t,
     latest_job_id,
     make_engine,
     missing_shards,
@@ -240,11 +241,27 @@ def database(url: str) -> Iterator[Engine]:
 
 
 def find_job(engine: Engine, job: str | None) -> dict[str, Any]:
-    """The job row of JOB, or of the latest job when JOB is omitted."""
+    """The job row of JOB (its id, or a unique prefix of at least 4 characters), or of
+    the latest job when JOB is omitted."""
     job_id = job or latest_job_id(engine)
-    row = get_job(engine, job_id) if job_id else None
+    if job_id is None:
+        raise click.ClickException("no jobs yet")
+    row = get_job(engine, job_id)
+    if row is None and len(job_id) >= 4:
+        pattern = job_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        with engine.connect() as conn:
+            ids = (
+                conn.execute(
+                    select(jobs_t.c.id).where(jobs_t.c.id.like(pattern, escape="\\")).limit(2)
+                )
+                .scalars()
+                .all()
+            )
+        if len(ids) > 1:
+            raise click.ClickException(f"job prefix {job_id!r} matches several jobs")
+        row = get_job(engine, ids[0]) if ids else None
     if row is None:
-        raise click.ClickException(f"no job {job_id!r}" if job_id else "no jobs yet")
+        raise click.ClickException(f"no job {job_id!r}")
     return row
 
 
@@ -668,7 +685,8 @@ def cancel(job: str, db_url: str | None) -> None:
 @click.argument("job")
 @db_url_option
 def resume(job: str, db_url: str | None) -> None:
-    """Re-enqueue every shard of JOB that has samples missing from the database.
+    """Re-enqueue every unfinished shard of JOB: samples missing from the database, or
+    no worker marked it done (its Parquet file may be unwritten).
 
     Covers a lost broker message, a dead worker, a cancelled or interrupted job. Only
     the missing samples are decoded again: finished ones (ok or failed) are never redone.

@@ -259,6 +259,8 @@ def test_submit_enqueues_each_shard_and_resume_exactly_the_missing_ones(
 
     broker.flushdb()
     store(engine, fake_sample, by_shard[2] + by_shard[3][2:] + by_shard[4])
+    for s in (2, 3, 4):  # the workers finished these shards (Parquet written)
+        db.set_shard_state(engine, job_id, s, "done")
     done = cli_process("resume", job_id, db_url=pg_url, cwd=tmp_path)
     assert done.returncode == 0 and "nothing to do" in done.stdout
     assert broker.dbsize() == 0
@@ -333,6 +335,8 @@ def test_submit_wait_follows_the_job_and_fails_on_failed_samples(
         rng = random.Random(2)
         db.insert_samples(engine, [fake_sample(r, rng) for r in rows[:7]])
         db.insert_samples(engine, [failed_sample(rows[7], "ValueError: boom")])
+        for s in (0, 1):  # as the workers would, once their Parquet files are written
+            db.set_shard_state(engine, job_id, s, "done")
         stdout, stderr = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
@@ -390,6 +394,8 @@ def test_status_counts_throughput_and_shards(
         (2, 0, 2),
     ]
 
+    by_prefix = json.loads(cli("status", job_id[:6], "--json", "--db-url", db_url).output)
+    assert (by_prefix["job_id"], by_prefix["done"]) == (job_id, 6)
     text = cli("status", "--db-url", db_url).output  # default: the latest job
     assert f"job {job_id}  running" in text
     assert "expected 10  done 6 (ok 5, failed 1)  remaining 4  rejected lines 1" in text
@@ -400,6 +406,8 @@ def test_status_counts_throughput_and_shards(
     assert rejected.output == "line 11: invalid JSON\n"
 
     db.insert_samples(engine, [fake_sample(r, rng) for r in rows[6:]])
+    for s in (1, 2):  # the workers finished their shards
+        db.set_shard_state(engine, job_id, s, "done")
     watched = cli("status", job_id, "--watch", "--interval", "0.1", "--db-url", db_url)
     assert watched.exit_code == 0 and f"job {job_id}  failed" in watched.output  # ends at once
     assert cli("status", "nope", "--db-url", db_url).exit_code == 1
