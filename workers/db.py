@@ -433,14 +433,23 @@ def sample_counts(engine: Engine, job_id: str) -> dict[str, int]:
 def refresh_job_state(engine: Engine, job_id: str) -> str:
     """Derive a job's state from what is stored, not from callbacks; returns the state.
 
-    When every expected sample is stored the job becomes 'completed' (none failed)
-    or 'failed' (some failed). A 'cancelled' job is never touched, nor an unfinished one.
+    When every expected sample is stored and no shard is still queued or running (its
+    Parquet file may be unwritten) the job becomes 'completed' (none failed) or
+    'failed' (some failed). A 'cancelled' job is never touched, nor an unfinished one.
     """
     job = get_job(engine, job_id)
     if job is None:
         raise KeyError(f"no job {job_id!r}")
     counts = sample_counts(engine, job_id)
     if job["state"] == "cancelled" or counts["ok"] + counts["failed"] < job["n_expected"]:
+        return job["state"]
+    with engine.connect() as conn:  # every shard's Parquet file is written too
+        unfinished = conn.execute(
+            select(func.count()).where(
+                shards_t.c.job_id == job_id, shards_t.c.state.in_(("queued", "running"))
+            )
+        ).scalar_one()
+    if unfinished:
         return job["state"]
     state = "failed" if counts["failed"] else "completed"
     if job["state"] != state:
@@ -539,9 +548,14 @@ def _missing_requests_stmt(job_id: str) -> Select[Any]:
 
 
 def missing_shards(engine: Engine, job_id: str) -> list[int]:
-    """Shards with at least one manifest sample not yet stored (what `resume` enqueues)."""
+    """What `resume` enqueues: shards with a manifest sample not yet stored, and shards
+    not marked done (all rows stored but the worker died before its Parquet file)."""
     sub = _missing_requests_stmt(job_id).subquery()
-    stmt = select(sub.c.shard).distinct().order_by(sub.c.shard)
+    with_missing = select(sub.c.shard)
+    unfinished = select(shards_t.c.shard).where(
+        shards_t.c.job_id == job_id, shards_t.c.state != "done"
+    )
+    stmt = with_missing.union(unfinished).order_by("shard")
     with engine.connect() as conn:
         return list(conn.execute(stmt).scalars())
 

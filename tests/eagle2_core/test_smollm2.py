@@ -1,0 +1,61 @@
+"""The real default model: EAGLE greedy output equals transformers' greedy generate."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle2_core.bench import hf_generate
+from eagle2_core.draft import DraftCheckpointError
+from eagle2_core.engine import DecodeConfig, load_engine
+from eagle2_core.models import encode_chat
+
+pytestmark = pytest.mark.slow
+
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+MT_BENCH = SHARED / "benchmarks" / "mt_bench" / "question.jsonl"
+FALLBACK_PROMPTS = [
+    "Compose an engaging travel blog post about a recent trip to Hawaii.",
+    "Explain the difference between a list and a tuple in Python.",
+    "What are the main causes of the French Revolution?",
+    "Write a limerick about a cat who loves math.",
+    "How do vaccines train the immune system?",
+]
+
+
+def first_turns(n: int) -> list[str]:
+    """MT-bench first turns when shared/ sits beside the checkout, else fixed prompts."""
+    if MT_BENCH.exists():
+        lines = MT_BENCH.read_text().splitlines()
+        return [json.loads(line)["turns"][0] for line in itertools.islice(lines, n)]
+    return FALLBACK_PROMPTS[:n]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    try:
+        return load_engine("smollm2-135m", None)
+    except DraftCheckpointError:  # no shipped head yet: an untrained one must be lossless too
+        return load_engine("smollm2-135m", "random")
+
+
+@pytest.fixture(scope="module")
+def cases(engine):
+    """(prompt ids, transformers' greedy output) per question, computed once."""
+    config = DecodeConfig(max_new_tokens=64)
+    cases = []
+    for question in first_turns(5):
+        ids = encode_chat(engine.target.tokenizer, [{"role": "user", "content": question}])
+        cases.append((ids, hf_generate(engine.target, ids, config)))
+    return cases
+
+
+@pytest.mark.parametrize("mode", ["eagle1", "eagle2"])
+def test_greedy_equals_generate_on_mt_bench(engine, cases, mode):
+    for ids, expected in cases:
+        got = engine.generate(ids, DecodeConfig(mode=mode, max_new_tokens=64))
+        assert got.token_ids == expected, engine.target.tokenizer.decode(ids)
+        assert got.completion_tokens == len(expected) >= 1
