@@ -233,7 +233,11 @@ def test_requests_rejected_lines_and_shards_are_idempotent(engine, make_job):
     assert db.insert_shards(engine, shards) == 3
     assert db.insert_shards(engine, shards) == 0
     with engine.connect() as conn:
-        states = conn.execute(select(db.shards_t.c.state, db.shards_t.c.attempts)).all()
+        states = conn.execute(
+            select(db.shards_t.c.state, db.shards_t.c.attempts).where(
+                db.shards_t.c.job_id == job_id  # the Postgres database is shared by the run
+            )
+        ).all()
     assert set(states) == {("queued", 0)}
 
 
