@@ -142,6 +142,11 @@ def verify(
 
 def commit(cache: DynamicCache, context_len: int, accepted: list[int]) -> None:
     """Keep the KV entries of the accepted tree nodes after the context; drop the rest."""
+    if accepted == list(range(len(accepted))):  # a prefix of the tree: a view, no copy
+        end = context_len + len(accepted)
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
+        return
     keep = torch.tensor(accepted, device=cache.layers[0].keys.device) + context_len
     for layer in cache.layers:
         layer.keys = torch.cat([layer.keys[:, :, :context_len], layer.keys[:, :, keep]], dim=2)
