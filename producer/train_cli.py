@@ -162,29 +162,32 @@ def model_card(summary: dict[str, Any], config: TrainConfig) -> str:
     """A short README.md for the head: how it was made and what it reaches."""
     val = summary["validation"] or asdict(Metrics())
     tau = summary["tau"]
-    return f"""# EAGLE draft head for `{summary["model"]}`
-
-Trained with `eagle2-batch train-draft` by self-distillation with the EAGLE objective
-(SmoothL1 on the next feature + 0.1 x soft cross-entropy through the frozen lm_head).
-
-- data: {summary["train_conversations"]} answers written by the target itself to prompts
-  from `{summary["prompts"]}` ({summary["train_answer_tokens"]} answer tokens; temperature
-  {summary["temperature"]}, at most {summary["max_new_tokens"]} new tokens; the validation
-  split, sha256(id) % 50 == 0, held out)
-- training: {summary["steps"]} steps ({config.epochs} epochs, batch {config.batch_size}),
-  AdamW lr {config.lr} betas {config.betas}, {config.warmup_steps} warm-up steps then
-  {config.schedule}, gradient clip {config.grad_clip}, input noise
-  U(-{config.noise_width / 2:g}, {config.noise_width / 2:g}),
-  {"bf16 autocast" if config.autocast else "fp32"} on {config.device}
-- tokens seen: {summary["tokens_seen"]}
-- validation ({summary["validation_conversations"]} held-out conversations,
-  {val["positions"]} positions): loss {val["loss"]:.4f}, top-1 agreement with the
-  target {val["top1"]:.1%}
-- tau (EAGLE-2, T=0, default tree; {summary["tau_source"]}): {_fmt_tau(tau)}
-
-Format: the public EAGLE checkpoint layout (config.json + model.safetensors, bf16);
-the target's embedding table and lm_head are used, not stored.
-"""
+    noise = config.noise_width / 2
+    lines = [
+        f"# EAGLE draft head for `{summary['model']}`",
+        "",
+        "Trained with `eagle2-batch train-draft`: self-distillation with the EAGLE objective",
+        "(SmoothL1 on the next feature + 0.1 x soft cross-entropy through the frozen lm_head).",
+        "",
+        f"- data: {summary['train_conversations']} answers written by the target itself to "
+        f"prompts from `{summary['prompts']}`, {summary['train_answer_tokens']} answer tokens "
+        f"(temperature {summary['temperature']}, at most {summary['max_new_tokens']} new "
+        "tokens); the validation split (sha256(id) % 50 == 0) held out",
+        f"- training: {summary['steps']} steps, {config.epochs} epochs of batch "
+        f"{config.batch_size}; AdamW lr {config.lr:g}, betas {config.betas}, "
+        f"{config.warmup_steps} warm-up steps then {config.schedule}; gradient clip "
+        f"{config.grad_clip}; input noise U(-{noise:g}, {noise:g}); "
+        f"{'bf16 autocast' if config.autocast else 'fp32'} on {config.device}",
+        f"- tokens seen: {summary['tokens_seen']}",
+        f"- validation: {summary['validation_conversations']} held-out conversations, "
+        f"{val['positions']} positions: loss {val['loss']:.4f}, top-1 agreement with the "
+        f"target {val['top1']:.1%}",
+        f"- tau (EAGLE-2, T=0, default tree; {summary['tau_source']}): {_fmt_tau(tau)}",
+        "",
+        "Format: the public EAGLE checkpoint layout (config.json + model.safetensors, bf16);",
+        "the target's embedding table and lm_head are used, not stored.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _fmt_tau(tau: float | None) -> str:

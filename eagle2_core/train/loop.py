@@ -78,7 +78,7 @@ class TrainResult:
 
     steps: int
     tokens_seen: int  # answer positions scored, summed over steps
-    train: Metrics
+    train: Metrics  # over the last epoch trained in this call (noise on)
     validation: Metrics | None
     # per checkpoint: step, train loss / top1 since the last one, val_loss / val_top1
     history: list[dict] = field(default_factory=list)
@@ -225,7 +225,7 @@ def train(
             )
 
     generator = torch.Generator(device=device).manual_seed(config.seed + step)
-    window = _Running()  # since the last checkpoint
+    window, epoch_window = _Running(), _Running()  # since the last checkpoint / epoch start
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not progress)
     for batch_indices in _remaining_batches(len(train_data), config, step, steps_per_epoch):
         batch = collate([train_data[i] for i in batch_indices]).to(device)
@@ -247,7 +247,10 @@ def train(
         scheduler.step()
         step += 1
         tokens_seen += parts.positions
+        if (step - 1) % steps_per_epoch == 0:
+            epoch_window = _Running()
         window.add(parts)
+        epoch_window.add(parts)
         bar.update()
         bar.set_postfix(loss=f"{parts.loss.item():.3f}", acc=f"{parts.top1.item():.3f}")
         if step % config.checkpoint_every == 0 or step == total_steps:
@@ -256,12 +259,11 @@ def train(
             if validation_data:
                 held_out = evaluate(head, target, validation_data, config)
                 history[-1].update(val_loss=held_out.loss, val_top1=held_out.top1)
-            if step < total_steps:
-                window = _Running()
+            window = _Running()
             write_checkpoint()
     bar.close()
     validation = evaluate(head, target, validation_data, config) if validation_data else None
-    return TrainResult(step, tokens_seen, window.metrics(), validation, history)
+    return TrainResult(step, tokens_seen, epoch_window.metrics(), validation, history)
 
 
 def _remaining_batches(
