@@ -87,7 +87,8 @@ def _load_target(model: str) -> Target:
 
 @worker_process_init.connect
 def _preload_served_model(**_: Any) -> None:
-    """Load the launcher-named model before taking shards; exit if it cannot load.
+    """Load the launcher-named model (and check its draft) before taking shards; exit if
+    either is unusable.
 
     A worker that cannot load its model would otherwise take shard after shard and fail
     each one. SystemExit, unlike an Exception, is not swallowed by the signal dispatch.
@@ -96,9 +97,30 @@ def _preload_served_model(**_: Any) -> None:
     if not model:
         return
     try:
-        _load_target(model)
+        target = _load_target(model)
     except Exception as exc:
         log.critical("cannot load model %s: %s: %s", model, type(exc).__name__, exc)
+        raise SystemExit(1) from exc
+    _check_served_draft(target)
+
+
+def _check_served_draft(target: Target) -> None:
+    """Read the launcher-named draft head once at start; exit if it is unusable.
+
+    A corrupt head, or one trained for another model, would otherwise fail every shard
+    this worker takes; refusing to start leaves the shards queued for a healthy worker.
+    """
+    from workers.decoding import RANDOM_DRAFT
+
+    draft = os.environ.get(WORKER_DRAFT_ENV)
+    if not draft or draft == RANDOM_DRAFT:
+        return
+    from eagle2_core.draft import load_draft
+
+    try:
+        load_draft(draft, target.model.config)
+    except Exception as exc:
+        log.critical("cannot use draft head %s: %s: %s", draft, type(exc).__name__, exc)
         raise SystemExit(1) from exc
 
 
