@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -21,8 +22,9 @@ from eagle2_core.draft import (
     shipped_draft,
 )
 from eagle2_core.drafters import Drafter, EagleDrafter
+from eagle2_core.kv import BatchKV
 from eagle2_core.models import Target, encode_chat, forward, load_target
-from eagle2_core.tree import DEFAULT_STATIC_TREE, DraftTree, root_only, tree_attention_mask
+from eagle2_core.tree import DEFAULT_STATIC_TREE, DraftTree, root_only
 from eagle2_core.verify import Sampling, choose_token, greedy_accept, sample_accept
 
 MODES = ("eagle2", "eagle1", "vanilla")
@@ -129,30 +131,25 @@ def prefill(
 
 
 def verify(
-    target: Target, cache: DynamicCache, tree: DraftTree, context_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over the tree after the context; returns logits [N, V], hidden [N, H]."""
-    positions = (tree.depths + context_len).to(target.device)[None]
-    mask = None
-    if tree.size > 1:
-        mask = tree_attention_mask(tree, context_len, target.dtype).to(target.device)
-    hidden = forward(target, tree.tokens.to(target.device)[None], positions, cache, mask)[0]
-    return target.lm_head(hidden), hidden
+    target: Target, kv: BatchKV, trees: list[DraftTree], context_lens: list[int]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One target forward over every row's tree after its context.
 
-
-def commit(cache: DynamicCache, context_len: int, accepted: list[int]) -> None:
-    """Keep the KV entries of the accepted tree nodes after the context; drop the rest."""
-    if accepted == list(range(len(accepted))):  # a prefix of the tree: a view, no copy
-        end = context_len + len(accepted)
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
-        return
-    keep = torch.tensor(accepted, device=cache.layers[0].keys.device) + context_len
-    for layer in cache.layers:
-        layer.keys = torch.cat([layer.keys[:, :, :context_len], layer.keys[:, :, keep]], dim=2)
-        layer.values = torch.cat(
-            [layer.values[:, :, :context_len], layer.values[:, :, keep]], dim=2
-        )
+    Returns each row's logits [n_b, V] (lm_head on real nodes only) and hidden [B, N, H].
+    """
+    n = max(t.size for t in trees)
+    tokens = torch.zeros(len(trees), n, dtype=torch.long)
+    positions = torch.zeros(len(trees), n, dtype=torch.long)
+    for row, (tree, context_len) in enumerate(zip(trees, context_lens, strict=True)):
+        tokens[row, : tree.size] = tree.tokens
+        positions[row, : tree.size] = tree.depths + context_len
+        positions[row, tree.size :] = context_len
+    mask = kv.tree_mask(trees, target.dtype)
+    device = target.device
+    hidden = forward(target, tokens.to(device), positions.to(device), kv.cache, mask)
+    real = torch.cat([hidden[row, : tree.size] for row, tree in enumerate(trees)])
+    logits = target.lm_head(real).split([t.size for t in trees])
+    return list(logits), hidden
 
 
 class Engine:
@@ -174,7 +171,7 @@ class Engine:
         self, messages: list[dict], followups: list[str], config: DecodeConfig
     ) -> list[Generation]:
         """Answer the conversation, then each follow-up turn after the previous answer."""
-        generator = _generator(config.seed)
+        generator = seeded_generator(config.seed)
         conversation = list(messages)
         turns = []
         for followup in [None, *followups]:
@@ -187,7 +184,6 @@ class Engine:
             turns.append(self.generate(ids, config, generator=generator))
         return turns
 
-    @torch.inference_mode()
     def generate(
         self,
         prompt_ids: list[int],
@@ -196,8 +192,80 @@ class Engine:
         generator: torch.Generator | None = None,
     ) -> Generation:
         """Decode one prompt. A drafter passed in overrides the mode's own."""
+        decoder = BatchDecoder(self)
+        decoder.add(None, prompt_ids, config, drafter, generator)
+        while True:
+            for _, generation in decoder.step():
+                return generation
+
+    def generate_batch(
+        self, items: Iterable[tuple[Hashable, list[int], DecodeConfig]], batch_size: int
+    ) -> Iterator[tuple[Hashable, Generation]]:
+        """Decode (key, prompt_ids, config) items, up to batch_size at once, yielding each
+        (key, generation) as it finishes; the next item joins in its place."""
+        decoder, pending = BatchDecoder(self), iter(items)
+        while True:
+            while decoder.active < batch_size and (item := next(pending, None)) is not None:
+                decoder.add(*item)
+            if decoder.idle:
+                return
+            yield from decoder.step()
+
+
+@dataclass
+class _Sequence:
+    """One sequence in flight: its settings, its drafter, and where decoding stands."""
+
+    key: Hashable
+    config: DecodeConfig
+    drafter: Drafter | None
+    generator: torch.Generator
+    prompt_len: int
+    stats: DecodeStats
+    output: list[int]
+    context_len: int  # tokens in the target's cache (the newest token is not yet there)
+    features: torch.Tensor  # target features of the tokens committed since the last draft
+    next_tokens: torch.Tensor  # the token after each of those; the last is the next root
+    finish: str | None = None
+
+
+class BatchDecoder:
+    """Decodes many sequences at once: every round drafts each sequence's own tree, then
+    verifies all trees in one batched target forward.
+
+    Callers `add` sequences whenever they like (continuous batching) and call `step`
+    for one round; finished sequences leave the batch. Each sequence is decoded exactly
+    as it would be alone (its own tree, acceptance, cache length, stop and generator).
+    Time is attributed per sequence: its prefill and drafting, plus the batched verify
+    round split in proportion to its tree size.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.kv: BatchKV | None = None
+        self.rows: list[_Sequence] = []
+        self.finished: list[tuple[Hashable, Generation]] = []
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self.finished
+
+    @torch.inference_mode()
+    def add(
+        self,
+        key: Hashable,
+        prompt_ids: list[int],
+        config: DecodeConfig,
+        drafter: Drafter | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Prefill a prompt and join the batch; raises PromptError for an undecodable one."""
         start = time.perf_counter()
-        target, stats = self.target, DecodeStats()
+        target = self.engine.target
         if not prompt_ids:
             raise PromptError("the prompt is empty: there is nothing to continue")
         if len(prompt_ids) >= target.max_context:
@@ -205,55 +273,120 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens but the model's context holds "
                 f"{target.max_context}; shorten the prompt"
             )
+        stats = DecodeStats()
         if config.max_new_tokens == 0:
-            return Generation([], "", "length", len(prompt_ids), stats)
-        drafter = drafter if drafter is not None else self.drafter_for(config)
+            self.finished.append((key, Generation([], "", "length", len(prompt_ids), stats)))
+            return
+        drafter = drafter if drafter is not None else self.engine.drafter_for(config)
         if drafter is not None:
             drafter.reset()
-        generator = generator if generator is not None else _generator(config.seed)
-        sampling = config.sampling
-
+        generator = generator if generator is not None else seeded_generator(config.seed)
         prompt = torch.tensor(prompt_ids, device=target.device)
         cache, features, logits = prefill(target, prompt)
-        root = choose_token(logits, sampling, generator)
-        output, finish = [root], _finish(root, 1, config, target)
-        next_tokens = torch.cat([prompt[1:], torch.tensor([root], device=target.device)])
-        context_len = len(prompt_ids)
-        while finish is None:
-            budget = min(config.total_tokens, target.max_context - context_len)
-            if budget < 1:
-                finish = "context"
-                break
+        root = choose_token(logits, config.sampling, generator)
+        seq = _Sequence(
+            key=key,
+            config=config,
+            drafter=drafter,
+            generator=generator,
+            prompt_len=len(prompt_ids),
+            stats=stats,
+            output=[root],
+            context_len=len(prompt_ids),
+            features=features,
+            next_tokens=torch.cat([prompt[1:], torch.tensor([root], device=target.device)]),
+            finish=_finish(root, 1, config, target),
+        )
+        stats.total_ms += (time.perf_counter() - start) * 1000
+        if seq.finish is not None:
+            self._retire(seq)
+            return
+        if self.kv is None:
+            self.kv = BatchKV(cache, len(prompt_ids))
+        else:
+            self.kv.add(cache, len(prompt_ids))
+        self.rows.append(seq)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Hashable, Generation]]:
+        """One draft + verify round for every sequence; returns those that finished."""
+        if self.rows:
+            self._round()
+        finished, self.finished = self.finished, []
+        return finished
+
+    def _round(self) -> None:
+        target = self.engine.target
+        for seq in self.rows:
+            if target.max_context - seq.context_len < 1:
+                seq.finish = "context"
+        self._drop_finished()
+        if not self.rows:
+            return
+        trees = []
+        for seq in self.rows:
             t0 = time.perf_counter()
-            if drafter is None:
-                tree = root_only(root)
+            budget = min(seq.config.total_tokens, target.max_context - seq.context_len)
+            root = int(seq.next_tokens[-1])
+            if seq.drafter is None:
+                trees.append(root_only(root))
             else:
-                tree = drafter.draft(features, next_tokens, context_len, budget)
-            t1 = time.perf_counter()
-            logits, hidden = verify(target, cache, tree, context_len)
-            if sampling.greedy:
-                accepted, bonus = greedy_accept(tree, logits)
+                trees.append(
+                    seq.drafter.draft(seq.features, seq.next_tokens, seq.context_len, budget)
+                )
+            draft_ms = (time.perf_counter() - t0) * 1000
+            seq.stats.draft_ms += draft_ms
+            seq.stats.total_ms += draft_ms
+        t1 = time.perf_counter()
+        logits, hidden = verify(target, self.kv, trees, [s.context_len for s in self.rows])
+        decisions = []
+        for seq, tree, row_logits in zip(self.rows, trees, logits, strict=True):
+            if seq.config.sampling.greedy:
+                decisions.append(greedy_accept(tree, row_logits))
             else:
-                accepted, bonus = sample_accept(tree, logits, sampling, generator)
-            commit(cache, context_len, accepted)
-            stats.draft_ms += (t1 - t0) * 1000
-            stats.verify_ms += (time.perf_counter() - t1) * 1000
+                decisions.append(
+                    sample_accept(tree, row_logits, seq.config.sampling, seq.generator)
+                )
+        self.kv.commit([accepted for accepted, _ in decisions])
+        round_ms = (time.perf_counter() - t1) * 1000
+        total_nodes = sum(t.size for t in trees)
+        for row, (seq, tree, (accepted, bonus)) in enumerate(
+            zip(self.rows, trees, decisions, strict=True)
+        ):
+            share = round_ms * tree.size / total_nodes
+            seq.stats.verify_ms += share
+            seq.stats.total_ms += share
             emitted = tree.tokens[accepted[1:]].tolist() + [bonus]
-            context_len += len(accepted)
-            features = hidden[accepted]
-            next_tokens = torch.tensor(emitted, device=target.device)
-            root = bonus
+            seq.context_len += len(accepted)
+            seq.features = hidden[row, accepted]
+            seq.next_tokens = torch.tensor(emitted, device=target.device)
             kept = 0
             for token in emitted:
-                output.append(token)
+                seq.output.append(token)
                 kept += 1
-                finish = _finish(token, len(output), config, target)
-                if finish is not None:
+                seq.finish = _finish(token, len(seq.output), seq.config, target)
+                if seq.finish is not None:
                     break
-            stats.record(tree, accepted, kept)
-        stats.total_ms = (time.perf_counter() - start) * 1000
-        text = target.tokenizer.decode(output, skip_special_tokens=True)
-        return Generation(output, text, finish, len(prompt_ids), stats)
+            seq.stats.record(tree, accepted, kept)
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, seq in enumerate(self.rows) if seq.finish is None]
+        if len(keep) == len(self.rows):
+            return
+        for seq in self.rows:
+            if seq.finish is not None:
+                self._retire(seq)
+        self.rows = [self.rows[i] for i in keep]
+        if keep:
+            self.kv.keep_rows(keep)
+        else:
+            self.kv = None
+
+    def _retire(self, seq: _Sequence) -> None:
+        text = self.engine.target.tokenizer.decode(seq.output, skip_special_tokens=True)
+        generation = Generation(seq.output, text, seq.finish, seq.prompt_len, seq.stats)
+        self.finished.append((seq.key, generation))
 
 
 def _finish(token: int, n_out: int, config: DecodeConfig, target: Target) -> str | None:
@@ -264,7 +397,8 @@ def _finish(token: int, n_out: int, config: DecodeConfig, target: Target) -> str
     return None
 
 
-def _generator(seed: int | None) -> torch.Generator:
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A generator for one sequence: seeded for reproducible sampling, else random."""
     return torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
 
 

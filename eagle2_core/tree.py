@@ -98,16 +98,6 @@ def rerank(pool: CandidatePool, root_token: int, budget: int) -> DraftTree:
     return DraftTree(tokens, tuple(parents), scores)
 
 
-def tree_attention_mask(tree: DraftTree, context_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Float mask [1, 1, N, context_len + N]: the whole context, then each node's ancestors."""
-    visible = torch.cat(
-        [torch.ones(tree.size, context_len, dtype=torch.bool), tree.ancestor_mask], dim=1
-    )
-    mask = torch.zeros(visible.shape, dtype=dtype)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
 # EAGLE-1's default static tree (the reference's mc_sim_7b_63): each path lists the
 # rank of the child taken at every level below the root.
 DEFAULT_STATIC_TREE: tuple[tuple[int, ...], ...] = (

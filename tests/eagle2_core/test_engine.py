@@ -3,31 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from eagle2_core.drafters import PromptLookupDrafter
 from eagle2_core.engine import DecodeConfig, Engine, PromptError
-from eagle2_core.tree import DraftTree
-from tests.eagle2_core.tiny import tiny_head, tiny_target
-
-
-def hf_greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """The oracle: transformers' generate, greedy, with the same stop tokens."""
-    ids = torch.tensor([prompt])
-    out = target.model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=sorted(target.stop_ids) or None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def prompts(vocab: int, lengths=(1, 5, 23, 70), seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -60,37 +39,6 @@ def test_greedy_equals_generate_for_tree_shapes(tiny, config):
     prompt = prompts(96, lengths=(9,))[0]
     config = DecodeConfig(**{**config.__dict__, "max_new_tokens": 40})
     assert engine.generate(prompt, config).token_ids == hf_greedy(target, prompt, 40)
-
-
-class OracleDrafter:
-    """Knows the greedy continuation: proposes it as the best branch, beside wrong siblings,
-    so acceptances are long and every acceptance path of the verifier is exercised."""
-
-    def __init__(self, prompt: list[int], continuation: list[int], vocab: int, depth: int = 6):
-        self.sequence = prompt + continuation
-        self.vocab, self.depth = vocab, depth
-        self.committed = 0
-
-    def reset(self) -> None:
-        self.committed = 0
-
-    def draft(self, features, next_tokens, context_len, budget) -> DraftTree:
-        root_pos = context_len  # the root sits at this position of the sequence
-        future = self.sequence[root_pos + 1 : root_pos + 1 + self.depth]
-        tokens, parents = [int(next_tokens[-1])], [-1]
-        parent = 0
-        for i, token in enumerate(future):
-            if len(tokens) + 2 > budget:
-                break
-            wrong = (token + 1 + i) % self.vocab
-            tokens += [wrong, token]  # the wrong sibling first in index order
-            parents += [parent, parent]
-            parent = len(tokens) - 1
-        scores = torch.tensor([0.0] + [-(i + 1) / 2 for i in range(len(tokens) - 1)])
-        # the true child scores higher than its wrong sibling
-        for node in range(1, len(tokens), 2):
-            scores[node] -= 0.25
-        return DraftTree(torch.tensor(tokens), tuple(parents), scores)
 
 
 @pytest.mark.parametrize("budget", [60, 5])

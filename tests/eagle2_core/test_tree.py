@@ -13,7 +13,6 @@ from eagle2_core.tree import (
     DraftTree,
     check_static_tree,
     rerank,
-    tree_attention_mask,
 )
 from eagle2_core.verify import Sampling, greedy_accept, sample_accept
 
@@ -80,11 +79,6 @@ def test_mask_positions_and_paths():
     assert torch.equal(tree.ancestor_mask, expected_mask)
     assert (tree.depths + 40).tolist() == [40, 41, 41, 42, 42, 42, 43]  # positions
     assert tree.paths.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
-    mask = tree_attention_mask(tree, context_len=3, dtype=torch.float32)
-    assert mask.shape == (1, 1, 7, 10)
-    assert (mask[0, 0, :, :3] == 0).all()
-    assert torch.equal(mask[0, 0, :, 3:] == 0, expected_mask)
-    assert mask.min() == torch.finfo(torch.float32).min
 
 
 def test_children_are_ordered_by_score():

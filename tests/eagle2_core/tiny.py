@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from eagle2_core.draft import DraftHead, new_draft_head
 from eagle2_core.models import Target, target_from_model
+from eagle2_core.tree import DraftTree
 
 
 def tiny_tokenizer(vocab_size: int, eos: int | None = 1) -> PreTrainedTokenizerFast:
@@ -52,3 +53,53 @@ def tiny_head(target: Target, seed: int = 1) -> DraftHead:
     for p in head.parameters():  # larger weights: a random head that still varies its guesses
         p.data.mul_(5.0)
     return head.eval()
+
+
+def hf_greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: transformers' generate, greedy, with the same stop tokens."""
+    ids = torch.tensor([prompt])
+    out = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=sorted(target.stop_ids) or None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(vocab: int, lengths=(1, 5, 23, 70), seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+class OracleDrafter:
+    """Knows the greedy continuation: proposes it as the best branch, beside wrong siblings,
+    so acceptances are long and every acceptance path of the verifier is exercised."""
+
+    def __init__(self, prompt: list[int], continuation: list[int], vocab: int, depth: int = 6):
+        self.sequence = prompt + continuation
+        self.vocab, self.depth = vocab, depth
+        self.committed = 0
+
+    def reset(self) -> None:
+        self.committed = 0
+
+    def draft(self, features, next_tokens, context_len, budget) -> DraftTree:
+        root_pos = context_len  # the root sits at this position of the sequence
+        future = self.sequence[root_pos + 1 : root_pos + 1 + self.depth]
+        tokens, parents = [int(next_tokens[-1])], [-1]
+        parent = 0
+        for i, token in enumerate(future):
+            if len(tokens) + 2 > budget:
+                break
+            wrong = (token + 1 + i) % self.vocab
+            tokens += [wrong, token]  # the wrong sibling first in index order
+            parents += [parent, parent]
+            parent = len(tokens) - 1
+        scores = torch.tensor([0.0] + [-(i + 1) / 2 for i in range(len(tokens) - 1)])
+        # the true child scores higher than its wrong sibling
+        for node in range(1, len(tokens), 2):
+            scores[node] -= 0.25
+        return DraftTree(torch.tensor(tokens), tuple(parents), scores)

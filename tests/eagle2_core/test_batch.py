@@ -1,0 +1,122 @@
+"""Batched decoding must give every sequence exactly what decoding it alone gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle2_core.engine import BatchDecoder, DecodeConfig, Engine
+from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
+
+LENGTHS = (1, 70, 5, 140, 23, 3, 9, 40, 2, 60)
+MAX_NEW = (48, 5, 30, 1, 40, 17, 0, 25, 33, 12)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_target(eos=None)
+    return target, Engine(target, tiny_head(target))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    target, _ = tiny
+    return [
+        hf_greedy(target, p, n) if n else []
+        for p, n in zip(prompts(96, LENGTHS), MAX_NEW, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("mode", ["vanilla", "eagle1", "eagle2"])
+def test_batch_equals_generate_alone(tiny, expected, mode, batch_size):
+    """Different prompt lengths and lengths to generate; more items than the batch holds,
+    so finished sequences are replaced mid-flight (continuous batching)."""
+    _, engine = tiny
+    items = [
+        (i, p, DecodeConfig(mode=mode, max_new_tokens=n, total_tokens=12))
+        for i, (p, n) in enumerate(zip(prompts(96, LENGTHS), MAX_NEW, strict=True))
+    ]
+    got = dict(engine.generate_batch(items, batch_size))
+    assert sorted(got) == list(range(len(items)))
+    for i, want in enumerate(expected):
+        assert got[i].token_ids == want, f"sequence {i} (prompt of {LENGTHS[i]} tokens)"
+        assert got[i].finish_reason == "length"
+
+
+def test_uneven_acceptance_leaves_holes_that_stay_invisible(tiny, expected):
+    """Oracle drafters accept 0-6 drafts per round, different per row, at tree nodes that
+    are not a prefix of the tree: the cache gets holes, gathers and compactions."""
+    target, engine = tiny
+    decoder = BatchDecoder(engine)
+    for i, (prompt, want) in enumerate(zip(prompts(96, LENGTHS), expected, strict=True)):
+        if not want:
+            continue
+        budget = 3 + 4 * (i % 3)  # trees of 3, 7 and 11 nodes: accepted lengths differ
+        config = DecodeConfig(max_new_tokens=len(want), total_tokens=budget)
+        decoder.add(i, prompt, config, drafter=OracleDrafter(prompt, want, 96))
+    results, holes_seen = {}, False
+    while not decoder.idle:
+        results.update(decoder.step())
+        if decoder.kv is not None:
+            holes_seen |= not bool(decoder.kv.valid.all())
+    assert holes_seen
+    for i, want in enumerate(expected):
+        if want:
+            assert results[i].token_ids == want
+            if len(want) > 10:
+                assert results[i].stats.tau > 1.5
+
+
+def test_sequences_stop_independently():
+    """One sequence hits EOS at once, others run long; each stops where generate does."""
+    target = tiny_target(vocab_size=12, eos=1, seed=3)
+    engine = Engine(target, tiny_head(target))
+    candidates = prompts(12, lengths=tuple(range(2, 40)), seed=5)
+    immediate = next(p for p in candidates if hf_greedy(target, p, 1) == [1])
+    batch = [immediate] + prompts(12, lengths=(2, 4, 6, 8, 10, 12), seed=5)
+    items = [(i, p, DecodeConfig(max_new_tokens=60, top_k=4)) for i, p in enumerate(batch)]
+    got = dict(engine.generate_batch(items, batch_size=8))
+    assert got[0].token_ids == [1] and got[0].finish_reason == "stop"
+    lengths = set()
+    for i, prompt in enumerate(batch):
+        want = hf_greedy(target, prompt, 60)
+        assert got[i].token_ids == want
+        assert got[i].finish_reason == ("stop" if want[-1] == 1 else "length")
+        lengths.add(len(want))
+    assert len(lengths) > 2, "the sequences should stop at different lengths"
+
+
+def test_context_limit_per_sequence():
+    target = tiny_target(max_positions=40, eos=None)
+    engine = Engine(target, tiny_head(target))
+    short, long = prompts(96, lengths=(5, 30))
+    items = [("short", short, DecodeConfig(max_new_tokens=20)), ("long", long, DecodeConfig())]
+    got = dict(engine.generate_batch(items, batch_size=2))
+    assert got["long"].finish_reason == "context"
+    assert len(long) + got["long"].completion_tokens == 41
+    assert got["short"].token_ids == hf_greedy(target, short, 20)
+
+
+def test_time_is_attributed_per_sequence(tiny):
+    _, engine = tiny
+    items = [(n, [5] * n, DecodeConfig(max_new_tokens=n)) for n in (4, 40)]
+    got = dict(engine.generate_batch(items, batch_size=2))
+    for n in (4, 40):
+        stats = got[n].stats
+        assert stats.n_cycles == n - 1
+        assert stats.total_ms >= stats.draft_ms + stats.verify_ms > 0
+    assert got[40].stats.verify_ms > got[4].stats.verify_ms
+
+
+def test_sampled_rows_keep_their_own_generators(tiny):
+    """A seeded sampled sequence draws the same tokens alone and inside a batch."""
+    _, engine = tiny
+    config = DecodeConfig(temperature=1.0, max_new_tokens=20, seed=7)
+    alone = engine.generate([4, 5, 6], config)
+    others = [
+        (i, [9, i + 2], DecodeConfig(temperature=1.0, max_new_tokens=30, seed=i)) for i in range(4)
+    ]
+    got = dict(engine.generate_batch([("x", [4, 5, 6], config), *others], batch_size=5))
+    assert got["x"].token_ids == alone.token_ids
+    assert torch.tensor(alone.token_ids).unique().numel() > 3  # really sampled
