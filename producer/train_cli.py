@@ -117,6 +117,7 @@ def generate_answers(
     temperature: float,
     seed: int,
     device: str,
+    batch_size: int,
 ) -> None:
     """Answer the prompts with the embedded batch path; it resumes what an earlier run began.
 
@@ -128,7 +129,7 @@ def generate_answers(
         "run", str(input_path), "--out", str(answers_dir), "--model", model,
         "--mode", "vanilla", "--max-new-tokens", str(max_new_tokens),
         "--temperature", str(temperature), "--seed", str(seed), "--device", device,
-        "--db-url", answers_url(answers_dir),
+        "--db-url", answers_url(answers_dir), "--batch-size", str(batch_size),
     ]  # fmt: skip
     try:
         cli.main(args=args, prog_name="eagle2-batch", standalone_mode=False)
@@ -202,6 +203,7 @@ def ensure_answers(
     temperature: float,
     seed: int,
     device: str,
+    batch_size: int,
 ) -> dict[str, dict[str, Any]]:
     """Answers to every item: those already in OUT/answers, plus a `run` over the rest.
 
@@ -223,7 +225,9 @@ def ensure_answers(
         directory.mkdir(parents=True, exist_ok=True)
         input_path.write_text(text, encoding="utf-8")  # unchanged input: `run` resumes its job
     click.echo(f"answers: the target answers {len(missing)} prompts (vanilla decoding)")
-    generate_answers(input_path, directory, model, max_new_tokens, temperature, seed, device)
+    generate_answers(
+        input_path, directory, model, max_new_tokens, temperature, seed, device, batch_size
+    )
     marker.write_text(digest)
     return read_answers(directory)
 
@@ -291,6 +295,13 @@ def ensure_answers(
     show_default=True,
     type=click.IntRange(1),
     help="Conversations per optimizer step (padded to the longest).",
+)
+@click.option(
+    "--answer-batch-size",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Prompts the target answers at once (batched decoding; answers do not change).",
 )
 @click.option(
     "--lr",
@@ -371,6 +382,7 @@ def train_draft(
     max_new_tokens: int,
     temperature: float,
     batch_size: int,
+    answer_batch_size: int,
     lr: float,
     warmup_steps: int,
     max_len: int,
@@ -392,7 +404,14 @@ def train_draft(
     if not train_items:
         raise click.ClickException(f"{prompts} has no training prompts")
     answers = ensure_answers(
-        out, train_items + val_items, model, max_new_tokens, temperature, seed, device
+        out,
+        train_items + val_items,
+        model,
+        max_new_tokens,
+        temperature,
+        seed,
+        device,
+        answer_batch_size,
     )
 
     try:

@@ -9,7 +9,8 @@ an exception, so one bad prompt cannot stop its shard.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,16 @@ from typing import Any
 import torch
 
 from eagle2_core.draft import load_draft, new_draft_head, shipped_draft
-from eagle2_core.engine import MODES, DecodeConfig, Engine, Generation, PromptError
-from eagle2_core.models import Target, load_target
+from eagle2_core.engine import (
+    MODES,
+    BatchDecoder,
+    DecodeConfig,
+    Engine,
+    Generation,
+    PromptError,
+    seeded_generator,
+)
+from eagle2_core.models import Target, encode_chat, load_target
 from producer.validate import Request
 
 log = logging.getLogger(__name__)
@@ -46,6 +55,12 @@ def describe_device(device: torch.device | str) -> str:
     return f"cuda:{index} {torch.cuda.get_device_name(index)}"
 
 
+def default_batch_size(device: torch.device | str) -> int:
+    """Sequences decoded at once: a GPU is far from full at 16; on a CPU, compute-bound
+    already, a few sequences mostly share the weight reads (BENCHMARKS.md, batching)."""
+    return 16 if torch.device(device).type == "cuda" else 4
+
+
 def _sum_lists(lists: Sequence[Sequence[int]]) -> list[int]:
     out = [0] * max((len(x) for x in lists), default=0)
     for values in lists:
@@ -65,12 +80,16 @@ class SampleDecoder:
         draft: str | None,
         mode: str = "eagle2",
         device: str | None = None,
+        batch_size: int | None = None,
     ) -> None:
         """Wrap an already built engine (tests build tiny ones in code).
 
         `model` and `draft` are the names written to every row; `device` the
-        hardware label (default: described from the target's device).
+        hardware label (default: described from the target's device); `batch_size`
+        the sequences decoded at once (default: `default_batch_size` of the device).
         """
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode != "vanilla" and engine.draft_head is None:
@@ -80,6 +99,7 @@ class SampleDecoder:
         self.draft = draft if mode != "vanilla" else None
         self.mode = mode
         self.device = device or describe_device(engine.target.device)
+        self.batch_size = batch_size or default_batch_size(engine.target.device)
 
     @classmethod
     def load(
@@ -91,6 +111,7 @@ class SampleDecoder:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         target: Target | None = None,
+        batch_size: int | None = None,
     ) -> SampleDecoder:
         """Load the target and draft head once.
 
@@ -125,7 +146,7 @@ class SampleDecoder:
                 model,
             )
             head = new_draft_head(target.model.config)
-        return cls(Engine(target, head), model=model, draft=draft, mode=mode)
+        return cls(Engine(target, head), model=model, draft=draft, mode=mode, batch_size=batch_size)
 
     def config_for(self, request: Request, job_params: Mapping[str, Any]) -> dict[str, Any]:
         """The decode settings of one sample: defaults < job params < per-line overrides."""
@@ -143,13 +164,58 @@ class SampleDecoder:
         worker: str,
         device: str | None = None,
     ) -> dict[str, Any]:
-        """Answer every turn of `request`; one row with all of `workers.db.SAMPLE_FIELDS`.
+        """The row of one request (`decode_many` of one)."""
+        rows = self.decode_many([request], job_params, job_id, shard, worker, device)
+        return next(iter(rows))
 
-        output_text is the final turn's answer, turn_outputs every turn's. Token counts,
-        cycles, histograms and times are summed over the turns (prompt_tokens thus counts
-        each turn's whole prompt, what was prefilled); tau = round tokens / cycles.
-        finish_reason is the final turn's.
+    def decode_many(
+        self,
+        requests: Iterable[Request],
+        job_params: Mapping[str, Any],
+        job_id: str,
+        shard: int,
+        worker: str,
+        device: str | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Answer every turn of every request, `batch_size` sequences at a time; yields one
+        row (all of `workers.db.SAMPLE_FIELDS`) per request as soon as it is done.
+
+        A request's next turn joins the batch when its previous answer is in. A prompt or
+        settings that cannot be decoded give a 'failed' row; anything else (a bug, a lost
+        device) raises, so the shard fails visibly and is retried rather than filled with
+        failed rows.
         """
+        decoder = BatchDecoder(self.engine)
+        chats: dict[str, _Chat] = {}
+        pending = iter(requests)
+        while True:
+            while decoder.active < self.batch_size and (request := next(pending, None)):
+                chat = self._start(request, job_params, job_id, shard, worker, device)
+                failed = chat.row if chat.row.get("status") == "failed" else None
+                failed = failed or self._next_turn(decoder, chat)
+                if failed is not None:
+                    yield failed
+                else:
+                    chats[request.sample_id] = chat
+            if decoder.idle:
+                return
+            for sample_id, generation in decoder.step():
+                chat = chats[sample_id]
+                chat.turns.append(generation)
+                done = self._next_turn(decoder, chat)
+                if done is not None:
+                    del chats[sample_id]
+                    yield done
+
+    def _start(
+        self,
+        request: Request,
+        job_params: Mapping[str, Any],
+        job_id: str,
+        shard: int,
+        worker: str,
+        device: str | None,
+    ) -> _Chat:
         settings = self.config_for(request, job_params)
         row: dict[str, Any] = {
             "job_id": job_id,
@@ -167,18 +233,51 @@ class SampleDecoder:
             "worker": worker,
             "device": device or self.device,
         }
+        chat = _Chat(request, row, None, [], list(request.messages), None)
         try:
-            config = DecodeConfig(mode=self.mode, **settings)
-            turns = self.engine.chat(request.messages, request.followups, config)
-        except (PromptError, ValueError) as exc:  # this sample's prompt or settings
-            row.update(_empty_results(), status="failed", error=f"{type(exc).__name__}: {exc}")
-        except Exception as exc:  # a bug or the hardware: keep the shard going, but loudly
-            log.exception("sample %s of job %s failed", request.sample_id, job_id)
-            row.update(_empty_results(), status="failed", error=f"{type(exc).__name__}: {exc}")
+            chat.config = DecodeConfig(mode=self.mode, **settings)
+        except ValueError as exc:  # this sample's settings
+            _fail(row, exc)
         else:
-            row.update(_results(turns), status="ok", error=None)
-        row["created_at"] = datetime.now(UTC)
-        return row
+            chat.generator = seeded_generator(chat.config.seed)
+        return chat
+
+    def _next_turn(self, decoder: BatchDecoder, chat: _Chat) -> dict[str, Any] | None:
+        """Queue the chat's next turn; its finished row when there is none (or it failed)."""
+        turn = len(chat.turns)
+        if turn > len(chat.request.followups):
+            chat.row.update(_results(chat.turns), status="ok", error=None)
+            chat.row["created_at"] = datetime.now(UTC)
+            return chat.row
+        if turn > 0:
+            chat.conversation += [
+                {"role": "assistant", "content": chat.turns[-1].text},
+                {"role": "user", "content": chat.request.followups[turn - 1]},
+            ]
+        ids = encode_chat(self.engine.target.tokenizer, chat.conversation)
+        try:
+            decoder.add(chat.request.sample_id, ids, chat.config, generator=chat.generator)
+        except PromptError as exc:
+            return _fail(chat.row, exc)
+        return None
+
+
+@dataclass
+class _Chat:
+    """A request in flight: its row so far, its answered turns, its sampling generator."""
+
+    request: Request
+    row: dict[str, Any]
+    config: DecodeConfig | None
+    turns: list[Generation]
+    conversation: list[dict]
+    generator: torch.Generator | None
+
+
+def _fail(row: dict[str, Any], exc: Exception) -> dict[str, Any]:
+    row.update(_empty_results(), status="failed", error=f"{type(exc).__name__}: {exc}")
+    row["created_at"] = datetime.now(UTC)
+    return row
 
 
 def _empty_results() -> dict[str, Any]:

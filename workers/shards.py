@@ -26,9 +26,9 @@ from workers.parquet_sink import write_shard_parquet
 if TYPE_CHECKING:  # decoding imports torch; the producer side of this module must not
     from workers.decoding import SampleDecoder
 
-# A crash loses at most one batch of decoded samples: flush every BATCH_SIZE rows, or
+# A crash loses at most the decoded samples not yet flushed: flush every FLUSH_ROWS rows, or
 # sooner when FLUSH_S have passed (long samples), which is also the heartbeat period.
-BATCH_SIZE = 8
+FLUSH_ROWS = 8
 FLUSH_S = 10.0
 
 # Database errors a retry can cure: connection lost, server restarting, deadlock, a
@@ -142,27 +142,29 @@ def process_shard(
     try:
         tally.skipped = len(db.done_sample_ids(db_engine, job_id, shard))
         pending = db.pending_requests(db_engine, job_id, shard)
-        batch: list[dict[str, Any]] = []
+        unflushed: list[dict[str, Any]] = []
         last_flush = time.monotonic()
-        for row in pending:
-            request = Request.from_payload(
+        requests = (
+            Request.from_payload(
                 {**row["payload"], "sample_id": row["sample_id"], "line_no": row["line_no"]}
             )
-            sample = decoder.decode(request, params, job_id, shard, worker, device)
-            batch.append(sample)
+            for row in pending
+        )
+        for sample in decoder.decode_many(requests, params, job_id, shard, worker, device):
+            unflushed.append(sample)
             tally.decoded += 1
             tally.failed += sample["status"] == "failed"
             tally.decode_ms += sample["total_ms"] or 0.0
             if on_progress is not None:
                 on_progress(sample, tally.decoded, len(pending))
-            if len(batch) >= BATCH_SIZE or time.monotonic() - last_flush >= FLUSH_S:
-                tally.stored += db.insert_samples(db_engine, batch)
-                batch.clear()
+            if len(unflushed) >= FLUSH_ROWS or time.monotonic() - last_flush >= FLUSH_S:
+                tally.stored += db.insert_samples(db_engine, unflushed)
+                unflushed.clear()
                 db.heartbeat_shard(db_engine, job_id, shard)
                 last_flush = time.monotonic()
                 if tally.decoded < len(pending) and _cancelled(db_engine, job_id):
                     return cancel()
-        tally.stored += db.insert_samples(db_engine, batch)
+        tally.stored += db.insert_samples(db_engine, unflushed)
         metadata = {"model": job["model"], "draft": job["draft"], "mode": job["mode"]}
         path = write_shard_parquet(
             out_dir,

@@ -145,15 +145,38 @@ def test_invalid_settings_are_a_failed_row(decoder):
     assert row["temperature"] == -1.0
 
 
-def test_engine_crash_is_a_failed_row_and_logged(decoder, monkeypatch, caplog):
+def test_engine_crash_raises_instead_of_failing_every_row(decoder, monkeypatch):
+    """A lost device or a bug would fail every sample alike: the shard must fail visibly
+    (and be retried) rather than store a shard of failed rows."""
+
     def boom(*_args, **_kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(decoder.engine, "chat", boom)
-    with caplog.at_level(logging.ERROR, logger="workers.decoding"):
-        row = decode(decoder, request())
-    assert_failed(row, "RuntimeError: device lost")
-    assert "sample s1 of job job1 failed" in caplog.text
+    monkeypatch.setattr("workers.decoding.BatchDecoder.step", boom)
+    with pytest.raises(RuntimeError, match="device lost"):
+        decode(decoder, request())
+
+
+def test_batched_rows_equal_one_at_a_time(decoder):
+    """Batch size changes throughput, never a row: same outputs, tokens, cycles; rows come
+    out as they finish, failed ones at once, and multi-turn requests keep their turns."""
+    reqs = [
+        request("short", overrides={"max_new_tokens": 2}),
+        request("long", followups=["t8 t9"], content="t5 " * 40),
+        request("bad", overrides={"temperature": -1.0}),
+        request("too-long", content=" ".join(["t5"] * 600)),
+        request("sampled", overrides={"temperature": 1.0, "seed": 3}),
+    ]
+    alone = {r.sample_id: decode(decoder, r) for r in reqs}
+    batched = SampleDecoder(
+        decoder.engine, model="tiny-llama", draft="tiny-eagle", mode="eagle2", batch_size=3
+    )
+    rows = list(batched.decode_many(reqs, JOB, "job1", 2, "cpu0@test", "cpu"))
+    assert sorted(r["sample_id"] for r in rows) == sorted(alone)
+    assert [r["sample_id"] for r in rows][:2] == ["bad", "too-long"]  # failed: no decoding
+    keys = ("status", "output_text", "turn_outputs", "completion_tokens", "n_cycles")
+    for row in rows:
+        assert {k: row[k] for k in keys} == {k: alone[row["sample_id"]][k] for k in keys}
 
 
 def test_speculative_modes_refuse_to_run_without_a_draft(tmp_path):

@@ -28,17 +28,18 @@ class Crash(BaseException):
 
 
 class Decoder:
-    """Wraps the real decoder: counts what it decodes, can crash or act after n samples."""
+    """Wraps the real decoder: records the rows it yields, can crash or act after n rows."""
 
     def __init__(self, inner: SampleDecoder, after: int | None = None, action=None):
         self.inner, self.after, self.action = inner, after, action
         self.decoded: list[str] = []
 
-    def decode(self, request, *args):
-        if self.after is not None and len(self.decoded) == self.after:
-            self.action()
-        self.decoded.append(request.sample_id)
-        return self.inner.decode(request, *args)
+    def decode_many(self, requests, *args):
+        for row in self.inner.decode_many(requests, *args):
+            if self.after is not None and len(self.decoded) == self.after:
+                self.action()
+            self.decoded.append(row["sample_id"])
+            yield row
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,7 +61,7 @@ def decoder() -> SampleDecoder:
 
 @pytest.fixture
 def small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shards, "BATCH_SIZE", 2)
+    monkeypatch.setattr(shards, "FLUSH_ROWS", 2)
 
 
 def make_job(engine: Engine, prompts: list[str] | None = None) -> str:
