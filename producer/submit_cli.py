@@ -761,18 +761,25 @@ def verify_job(engine: Engine, job_id: str, out: Path | None) -> dict[str, Any]:
                 select(requests_t.c.sample_id).where(requests_t.c.job_id == job_id)
             ).scalars()
         )
-        stored = set(
-            conn.execute(
-                select(samples_t.c.sample_id).where(samples_t.c.job_id == job_id)
-            ).scalars()
+        # Rows per sample id, counted rather than assumed: the primary key should make
+        # duplicates impossible, and verify is what proves it.
+        stored = Counter(
+            dict(
+                conn.execute(
+                    select(samples_t.c.sample_id, func.count())
+                    .where(samples_t.c.job_id == job_id)
+                    .group_by(samples_t.c.sample_id)
+                ).all()
+            )
         )
     directory = _parquet_dir(engine, job_id, out)
     parquet, foreign, files = _parquet_ids(directory, job_id)
     problems = {
-        "missing_in_database": sorted(manifest - stored),
+        "missing_in_database": sorted(manifest - stored.keys()),
         "missing_in_parquet": sorted(manifest - parquet.keys()),
+        "duplicates_in_database": sorted(i for i, n in stored.items() if n > 1),
         "duplicates_in_parquet": sorted(i for i, n in parquet.items() if n > 1),
-        "extra_in_database": sorted(stored - manifest),
+        "extra_in_database": sorted(stored.keys() - manifest),
         "extra_in_parquet": sorted(parquet.keys() - manifest),
     }
     return {
@@ -780,7 +787,8 @@ def verify_job(engine: Engine, job_id: str, out: Path | None) -> dict[str, Any]:
         "parquet_dir": str(directory),
         "parquet_files": files,
         "manifest": len(manifest),
-        "database_rows": len(stored),
+        "job_state": refresh_job_state(engine, job_id),
+        "database_rows": stored.total(),
         "parquet_rows": sum(parquet.values()) + foreign,
         "parquet_rows_of_other_jobs": foreign,
         "counts": {name: len(ids) for name, ids in problems.items()},
@@ -804,8 +812,9 @@ def verify(job: str | None, out: Path | None, as_json: bool, db_url: str | None)
     """Check that JOB's outputs are complete and stored once (default: the latest job).
 
     Compares the manifest (expected samples), the database rows and the Parquet files:
-    reports samples missing from either, sample ids with more than one Parquet row, and
-    rows that the manifest does not expect. Exits non-zero on any problem.
+    reports samples missing from either, sample ids stored more than once in either, and
+    rows that the manifest does not expect, with the job's state. Exits non-zero on any
+    problem (an unfinished job alone is not one: its missing samples are).
 
     \b
     Example:
@@ -817,7 +826,8 @@ def verify(job: str | None, out: Path | None, as_json: bool, db_url: str | None)
         click.echo(json.dumps(report))
     else:
         click.echo(
-            f"job {report['job_id']}: manifest {report['manifest']}, database rows "
+            f"job {report['job_id']} ({report['job_state']}): manifest {report['manifest']}, "
+            f"database rows "
             f"{report['database_rows']}, Parquet rows {report['parquet_rows']} in "
             f"{report['parquet_files']} files under {report['parquet_dir']}"
         )

@@ -461,6 +461,7 @@ def test_verify_finds_missing_duplicate_and_extra_rows(
     assert report["counts"] == {
         "missing_in_database": 1,
         "missing_in_parquet": 0,
+        "duplicates_in_database": 0,
         "duplicates_in_parquet": 4,
         "extra_in_database": 0,
         "extra_in_parquet": 1,
