@@ -317,7 +317,7 @@ def check_exactly_once(c: FaultCluster, job_id: str, expected: int) -> dict[str,
     """The closing assertions of every scenario; returns the verify report."""
     assert db.get_job(c.engine, job_id)["state"] == "completed", c.tail()
     report = verify(c, job_id)
-    assert report["ok"], report
+    assert report["ok"] and report["job_state"] == "completed", report
     assert report["manifest"] == expected
     assert report["pg_rows"] == report["pg_distinct"] == expected
     assert report["parquet_rows"] == report["parquet_distinct"] == expected
@@ -692,16 +692,19 @@ def test_bad_checkpoints_are_refused(make_cluster: Callable[..., FaultCluster]):
     heads = broken_heads(c.root, c.model, c.draft)
     job_id = c.submit(SHARD_SIZE)
     queue = queue_for(str(c.model))
-    refusals = {}
-    for name, head in heads.items():
-        launcher = c.launch(f"refuse-{name}", "--draft", str(head), wait=False)
-        code = c.forget(launcher, timeout=300)
-        log = c.logs[-1].read_text()
-        assert code != 0 and f"cannot use draft head {head}: DraftCheckpointError" in log
-        refusals[name] = log.split("DraftCheckpointError: ", 1)[1].splitlines()[0]
     missing = c.root / "no-such-model"
-    launcher = c.launch("refuse-model", "--model", str(missing), wait=False)
-    assert c.forget(launcher, timeout=300) != 0
+    refusing = {  # started together: start-up is the slow part
+        name: (c.launch(f"refuse-{name}", "--draft", str(head), wait=False), c.logs[-1])
+        for name, head in heads.items()
+    }
+    model_launcher = c.launch("refuse-model", "--model", str(missing), wait=False)
+    refusals = {}
+    for name, (launcher, log_path) in refusing.items():
+        code = c.forget(launcher, timeout=300)
+        log = log_path.read_text()
+        assert code != 0 and f"cannot use draft head {heads[name]}: DraftCheckpointError" in log
+        refusals[name] = log.split("DraftCheckpointError: ", 1)[1].splitlines()[0]
+    assert c.forget(model_launcher, timeout=300) != 0
     assert f"cannot load model {missing}" in c.logs[-1].read_text()
     # None of them took the shard: it is still queued, nothing was decoded.
     assert c.broker.client().llen(queue) == 1
