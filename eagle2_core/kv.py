@@ -15,8 +15,8 @@ from transformers import DynamicCache
 
 from eagle2_core.tree import DraftTree
 
-# Compact (move every row's tokens to the front) once fewer than this share of the slots
-# hold tokens: holes cost attention work, a compaction costs one copy of the cache.
+# Compact (move every row's tokens to the front) once the longest row fills less than this
+# share of the slots: holes cost attention work, a compaction costs one copy of the cache.
 MIN_FILL = 0.5
 
 
@@ -99,10 +99,11 @@ class BatchKV:
         self._maybe_compact()
 
     def _maybe_compact(self) -> None:
-        if self.slots == 0 or self.valid.float().mean() >= MIN_FILL:
-            return
+        """Compact when that at least halves the slots: the longest row bounds the gain."""
         lengths = self.valid.sum(dim=1)
-        slots = int(lengths.max())
+        slots = int(lengths.max()) if self.rows else 0
+        if slots >= MIN_FILL * self.slots:
+            return
         # Stable sort puts each row's valid slots first, in their original order.
         order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :slots]
         for layer in self.cache.layers:
