@@ -36,6 +36,10 @@ FLUSH_S = 10.0
 # SQL) would fail the same way again, so they fail the shard at once.
 RETRYABLE_DB_ERRORS = (OperationalError, InterfaceError, InternalError)
 
+# How long a flush keeps retrying a retryable error in place before the shard gives up
+# (and Celery retries it): decoded rows are kept in memory meanwhile, not decoded again.
+FLUSH_RETRY_S = 60.0
+
 ProgressCallback = Callable[[dict[str, Any], int, int], None]
 
 
@@ -89,6 +93,19 @@ def mark_failed(engine: Engine, job_id: str, shard: int, worker: str, exc: Excep
 
 def _cancelled(engine: Engine, job_id: str) -> bool:
     return load_job(engine, job_id)["state"] == "cancelled"
+
+
+def _retrying(write: Callable[..., Any], *args: Any) -> Any:
+    """Run an idempotent database write, retrying a lost connection for FLUSH_RETRY_S."""
+    deadline, pause = time.monotonic() + FLUSH_RETRY_S, 0.5
+    while True:
+        try:
+            return write(*args)
+        except RETRYABLE_DB_ERRORS:
+            if time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 8.0)
 
 
 def process_shard(
@@ -158,13 +175,13 @@ def process_shard(
             if on_progress is not None:
                 on_progress(sample, tally.decoded, len(pending))
             if len(unflushed) >= FLUSH_ROWS or time.monotonic() - last_flush >= FLUSH_S:
-                tally.stored += db.insert_samples(db_engine, unflushed)
+                tally.stored += _retrying(db.insert_samples, db_engine, unflushed)
                 unflushed.clear()
-                db.heartbeat_shard(db_engine, job_id, shard)
+                _retrying(db.heartbeat_shard, db_engine, job_id, shard)
                 last_flush = time.monotonic()
                 if tally.decoded < len(pending) and _cancelled(db_engine, job_id):
                     return cancel()
-        tally.stored += db.insert_samples(db_engine, unflushed)
+        tally.stored += _retrying(db.insert_samples, db_engine, unflushed)
         metadata = {"model": job["model"], "draft": job["draft"], "mode": job["mode"]}
         path = write_shard_parquet(
             out_dir,

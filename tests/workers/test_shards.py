@@ -197,6 +197,25 @@ def test_errors_fail_the_shard_but_retryable_database_errors_do_not(engine, deco
     assert shard_row(engine, job_id, 2)["state"] == "running"
 
 
+def test_a_flush_retries_a_lost_connection_in_place(engine, decoder, out, monkeypatch):
+    """Decoded rows wait in memory while the database is away; none is decoded again."""
+    job_id = make_job(engine)
+    real_insert, failures = db.insert_samples, []
+
+    def flaky_insert(*args):
+        if len(failures) < 2:
+            failures.append(1)
+            raise OperationalError("INSERT ...", {}, ConnectionError("server closed"))
+        return real_insert(*args)
+
+    monkeypatch.setattr(db, "insert_samples", flaky_insert)
+    counting = Decoder(decoder)
+    result = process_shard(engine, counting, job_id, 0, out, WORKER)
+    assert len(failures) == 2 and result.state == "done"
+    assert sorted(counting.decoded) == ["q0", "q1", "q2", "q3"]  # each decoded once
+    assert [r["sample_id"] for r in stored(engine, job_id)] == ["q0", "q1", "q2", "q3"]
+
+
 def test_failed_sample_is_stored_and_fails_the_job(engine, decoder, out):
     job_id = make_job(engine, ["t5 t6", " ".join(["t9"] * 600)])  # the second is too long
     result = process_shard(engine, decoder, job_id, 0, out, WORKER)
