@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from workers.celery_app import WORKER_NAME_ENV, queue_for
-from workers.tasks import WORKER_DEVICE_ENV, WORKER_DRAFT_ENV, WORKER_MODEL_ENV
+from workers.tasks import WORKER_BATCH_ENV, WORKER_DEVICE_ENV, WORKER_DRAFT_ENV, WORKER_MODEL_ENV
 
 # eagle2_core.models.DEFAULT_MODEL, repeated so this parent need not import torch
 # (tests/workers/test_worker_integration.py checks that the two agree).
@@ -36,8 +36,9 @@ How `eagle2-batch worker` uses a host:
 - Each process holds one shard at a time (prefetch 1, late acknowledgement): a long shard
   never keeps another shard waiting behind it in a busy worker, and a shard whose worker
   died is handed out again (after the visibility timeout, EAGLE2_VISIBILITY_TIMEOUT).
-- Within a process, samples are decoded one after another (batch size 1): speculative
-  decoding speeds up each sequence; throughput scales with processes, i.e. GPUs.
+- Within a process, --batch-size samples of the shard are decoded at once (default 16
+  on a GPU, 4 on a CPU): one target forward verifies every sequence's draft tree, and a
+  finished sequence's place goes to the shard's next sample. Outputs do not depend on it.
 - CPU workers split the cores between them (OMP_NUM_THREADS = cores / N unless set).
 - SIGTERM or Ctrl-C: every process finishes its current shard, then exits; a second
   Ctrl-C stops at once (the unfinished shard is redelivered; stored samples are kept).
@@ -106,6 +107,7 @@ def plan_workers(
     hostname: str | None = None,
     model: str | None = None,
     draft: str | None = None,
+    batch_size: int | None = None,
     queues: Sequence[str] = (),
     loglevel: str = "INFO",
     cpu_count: int | None = None,
@@ -123,6 +125,8 @@ def plan_workers(
         common[WORKER_MODEL_ENV] = model or DEFAULT_MODEL
     if draft:
         common[WORKER_DRAFT_ENV] = draft
+    if batch_size:
+        common[WORKER_BATCH_ENV] = str(batch_size)
     queues = list(queues) or [queue_for(common[WORKER_MODEL_ENV])]
     slots: list[tuple[str, dict[str, str]]]
     if gpus:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 WORKER_MODEL_ENV = "EAGLE2_WORKER_MODEL"  # the one model this process serves
 WORKER_DRAFT_ENV = "EAGLE2_WORKER_DRAFT"  # this host's draft head, instead of the job's
 WORKER_DEVICE_ENV = "EAGLE2_WORKER_DEVICE"  # 'cuda' or 'cpu'
+WORKER_BATCH_ENV = "EAGLE2_WORKER_BATCH_SIZE"  # sequences decoded at once (unset: per device)
 
 
 class WrongModelError(RuntimeError):
@@ -147,8 +148,15 @@ def decoder_for(job: dict[str, Any]) -> SampleDecoder:
     if target is None:
         target = _load_target(job["model"])
     device, dtype = _device_and_dtype()
+    batch_size = int(os.environ.get(WORKER_BATCH_ENV) or 0) or None
     decoder = SampleDecoder.load(
-        job["model"], draft, job["mode"], device=device, dtype=dtype, target=target
+        job["model"],
+        draft,
+        job["mode"],
+        device=device,
+        dtype=dtype,
+        target=target,
+        batch_size=batch_size,
     )
     _state.decoder_key, _state.decoder = key, decoder
     return decoder

@@ -96,7 +96,7 @@ def test_visible_gpus_without_touching_cuda():
 
 
 def test_plan_one_solo_worker_per_gpu():
-    specs = plan_workers(gpus=["0", "2"], hostname="h", model="m/x", draft="/d")
+    specs = plan_workers(gpus=["0", "2"], hostname="h", model="m/x", draft="/d", batch_size=24)
     assert [s.name for s in specs] == ["gpu0@h", "gpu2@h"]
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "2"]
     argv = specs[0].argv
@@ -105,6 +105,7 @@ def test_plan_one_solo_worker_per_gpu():
     assert specs[0].env[tasks.WORKER_MODEL_ENV] == "m/x"
     assert specs[0].env[tasks.WORKER_DRAFT_ENV] == "/d"
     assert specs[0].env[tasks.WORKER_DEVICE_ENV] == "cuda"
+    assert specs[1].env[tasks.WORKER_BATCH_ENV] == "24"
 
 
 def test_plan_cpu_workers_and_default_queue():
@@ -113,6 +114,7 @@ def test_plan_cpu_workers_and_default_queue():
     env = specs[1].env
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env[tasks.WORKER_DEVICE_ENV] == "cpu"
     assert env[tasks.WORKER_MODEL_ENV] == models.DEFAULT_MODEL
+    assert tasks.WORKER_BATCH_ENV not in env  # the device's default
     assert specs[0].argv[specs[0].argv.index("--queues") + 1] == "eagle2.smollm2-135m"
     # With explicit queues and no model, the first shard decides the model.
     (spec,) = plan_workers(cpu=1, hostname="h", queues=["eagle2.a", "eagle2.b"])
@@ -284,7 +286,7 @@ def cluster(tmp_path_factory, make_pg_database) -> Iterator[Cluster]:
             log = root / f"{host}.log"
             c.logs.append(log)
             argv = [EAGLE2_BATCH, "worker", "--cpu", "1", "--model", str(model)]
-            argv += ["--draft", str(draft), "--hostname", host]
+            argv += ["--draft", str(draft), "--hostname", host, "--batch-size", "3"]
             with open(log, "wb") as fh:
                 c.launchers.append(
                     subprocess.Popen(
