@@ -5,6 +5,9 @@
 to back, so load on a shared machine hits them alike. Speedup is the mean of
 per-question tokens/s of a mode over the same mean for vanilla (as in the EAGLE
 papers); tau is tokens per target verify pass.
+
+`run_batch_bench` measures what a worker lives on instead: tokens/s of a whole shard
+for plain batched `generate`, EAGLE-2 one sequence at a time, and batched EAGLE-2.
 """
 
 from __future__ import annotations
@@ -127,3 +130,102 @@ def identical_outputs(results: dict[str, ModeResult]) -> int:
     """How many questions produced the same tokens in every mode (expected: all, greedy fp32)."""
     runs = [r.outputs for r in results.values()]
     return sum(all(run[i] == runs[0][i] for run in runs) for i in range(len(runs[0])))
+
+
+@dataclass
+class ShardResult:
+    """One way of decoding the whole prompt set: throughput and where the time went."""
+
+    name: str
+    batch_size: int
+    tokens: int
+    seconds: float
+    round_tokens: int = 0
+    cycles: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    outputs: dict[int, list[int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        busy = self.draft_ms + self.verify_ms
+        return {
+            "name": self.name,
+            "batch_size": self.batch_size,
+            "new_tokens": self.tokens,
+            "seconds": round(self.seconds, 2),
+            "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
+            "tau": round(self.round_tokens / self.cycles, 3) if self.cycles else None,
+            "draft_share": round(self.draft_ms / busy, 3) if busy else None,
+        }
+
+
+def hf_generate_batch(
+    target: Target, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """The batched baseline: greedy `generate` on left-padded prompts, cut at a stop token."""
+    pad = target.tokenizer.pad_token_id or 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=target.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = target.model.generate(
+        ids,
+        attention_mask=mask.to(target.device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=sorted(target.stop_ids) or None,
+        pad_token_id=pad,
+    )
+    answers = []
+    for row in out[:, width:].tolist():
+        stop = next((i for i, t in enumerate(row) if t in target.stop_ids), len(row) - 1)
+        answers.append(row[: stop + 1])
+    return answers
+
+
+def _engine_shard(
+    engine: Engine, prompts: list[list[int]], config: DecodeConfig, batch_size: int, name: str
+) -> ShardResult:
+    start = time.perf_counter()
+    items = [(i, p, config) for i, p in enumerate(prompts)]
+    result = ShardResult(name, batch_size, 0, 0.0)
+    for key, generation in engine.generate_batch(items, batch_size):
+        stats = generation.stats
+        result.outputs[key] = generation.token_ids
+        result.tokens += generation.completion_tokens
+        result.round_tokens += stats.round_tokens
+        result.cycles += stats.n_cycles
+        result.draft_ms += stats.draft_ms
+        result.verify_ms += stats.verify_ms
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def run_batch_bench(
+    engine: Engine,
+    prompts: list[list[int]],
+    config: DecodeConfig,
+    batch_sizes: list[int],
+    on_result: Callable[[ShardResult], None] | None = None,
+) -> list[ShardResult]:
+    """(a) HF batched generate at B, (c) batched EAGLE-2 at B, for each B; (b) EAGLE-2 at
+    B=1 once; all on the same prompts in one run. Batched outputs are checked against
+    B=1 by the caller (`outputs`)."""
+    target = engine.target
+    hf_generate_batch(target, prompts[:2], 4)  # first-call overheads
+    results = []
+
+    def record(result: ShardResult) -> None:
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+
+    record(_engine_shard(engine, prompts, config, 1, f"{config.mode} B=1"))
+    for b in batch_sizes:
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(prompts), b):
+            tokens += sum(
+                map(len, hf_generate_batch(target, prompts[i : i + b], config.max_new_tokens))
+            )
+        record(ShardResult("hf generate", b, tokens, time.perf_counter() - start))
+        record(_engine_shard(engine, prompts, config, b, f"{config.mode} batched"))
+    return results

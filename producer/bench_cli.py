@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -40,6 +41,12 @@ from producer.validate import Rejected
 @click.option("--top-k", type=int, default=10, show_default=True)
 @click.option("--depth", type=int, default=5, show_default=True)
 @click.option("--total-tokens", type=int, default=60, show_default=True)
+@click.option(
+    "--batch-sizes",
+    default=None,
+    help="Measure a worker's throughput instead, e.g. 4,8,16: tokens/s of the whole prompt "
+    "set for HF batched generate at each B, EAGLE-2 at B=1 and batched EAGLE-2 at each B.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def bench(
     dataset,
@@ -53,6 +60,7 @@ def bench(
     top_k,
     depth,
     total_tokens,
+    batch_sizes,
     as_json,
 ) -> None:
     """Measure tau, tokens/s and speedup of decoding modes side by side.
@@ -89,6 +97,12 @@ def bench(
         if not as_json:
             print(f"\rquestion {i + 1}/{len(questions)}", end="", file=sys.stderr, flush=True)
 
+    if batch_sizes:
+        sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
+        speculative = [m for m in mode_list if m != "vanilla"]
+        config = dataclasses.replace(config, mode=speculative[-1] if speculative else "vanilla")
+        _batch_report(engine, questions, config, sizes, dataset, draft, as_json)
+        return
     results = run_bench(engine, questions, mode_list, config, on_question=progress)
     baseline = results.get("vanilla")
     rows = [r.as_dict(baseline) for r in results.values()]
@@ -120,3 +134,48 @@ def bench(
             f"greedy outputs identical across modes: "
             f"{report['identical_outputs']}/{len(questions)} questions"
         )
+
+
+def _batch_report(engine, questions, config, sizes, dataset, draft, as_json) -> None:
+    """Shard throughput at each batch size (`run_batch_bench`), as a table or JSON."""
+    from eagle2_core.bench import run_batch_bench
+    from eagle2_core.models import encode_chat
+
+    prompts = [encode_chat(engine.target.tokenizer, messages) for messages, _ in questions]
+
+    def show(result) -> None:
+        if not as_json:
+            row = result.as_dict()
+            tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
+            draft_share = f"{row['draft_share']:.0%}" if row["draft_share"] is not None else "-"
+            click.echo(
+                f"{row['name']:<16} {row['batch_size']:>3} {row['new_tokens']:>7} "
+                f"{row['seconds']:>8.1f} {row['tokens_per_s']:>7.1f} {tau:>6} {draft_share:>6}"
+            )
+
+    if not as_json:
+        click.echo(f"{'decoding':<16} {'B':>3} {'tokens':>7} {'seconds':>8} {'tok/s':>7} "
+                   f"{'tau':>6} {'draft':>6}")  # fmt: skip
+    results = run_batch_bench(engine, prompts, config, sizes, on_result=show)
+    alone = results[0].outputs
+    identical = {
+        r.batch_size: sum(r.outputs[i] == alone[i] for i in alone) for r in results[1:] if r.outputs
+    }
+    if as_json:
+        report = {
+            "dataset": dataset,
+            "draft": draft or "shipped",
+            "prompts": len(prompts),
+            "max_new_tokens": config.max_new_tokens,
+            "tree": {
+                "top_k": config.top_k,
+                "depth": config.depth,
+                "total_tokens": config.total_tokens,
+            },
+            "results": [r.as_dict() for r in results],
+            "identical_to_b1": identical,
+        }
+        click.echo(json.dumps(report, indent=2))
+        return
+    for b, n in identical.items():
+        click.echo(f"batched B={b}: {n}/{len(alone)} outputs identical to B=1")
