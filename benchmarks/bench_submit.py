@@ -79,7 +79,7 @@ def per_line_costs(path: Path, model: str, n: int = 2000) -> tuple[float, float]
     """Microseconds per request: the exact prompt token count vs the producer's counter."""
     from transformers import AutoTokenizer
 
-    from eagle2_core.models import encode_chat, resolve_model
+    from eagle2_core.registry import encode_chat, resolve_model
     from producer.inputs import Request, read_requests
     from producer.jobs import prompt_token_counter
 
@@ -118,7 +118,7 @@ def main() -> None:
     import redis
     from psycopg import sql
 
-    from eagle2_core.models import resolve_model
+    from eagle2_core.registry import resolve_model
     from migrations import upgrade
     from workers.celery_app import queue_for
 

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle2_core.engine import DecodeConfig, Engine
-from eagle2_core.models import Target, encode_chat
+from eagle2_core.config import DecodeConfig
+from eagle2_core.engine import Engine
+from eagle2_core.models import Target
+from eagle2_core.registry import encode_chat
 
 
 @dataclass

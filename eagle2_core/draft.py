@@ -241,12 +241,3 @@ def _check_fits(
             f"draft {directory} has vocabulary size {vocab_size} but the target has "
             f"{target_vocab}: it was trained for another model"
         )
-
-
-HEADS_DIR = Path(__file__).parent / "heads"
-
-
-def shipped_draft(model_name: str) -> Path | None:
-    """The draft head shipped in the package for a built-in model alias, if any."""
-    directory = HEADS_DIR / model_name
-    return directory if (directory / "config.json").exists() else None

@@ -14,53 +14,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from eagle2_core.draft import (
-    DraftCheckpointError,
-    DraftHead,
-    load_draft,
-    new_draft_head,
-    shipped_draft,
-)
+from eagle2_core.config import DecodeConfig
+from eagle2_core.draft import DraftCheckpointError, DraftHead, load_draft, new_draft_head
 from eagle2_core.drafters import Drafter, EagleDrafter
 from eagle2_core.kv import BatchKV
-from eagle2_core.models import Target, encode_chat, forward, load_target
-from eagle2_core.tree import DEFAULT_STATIC_TREE, DraftTree, root_only
-from eagle2_core.verify import Sampling, choose_token, greedy_accept, sample_accept
-
-MODES = ("eagle2", "eagle1", "vanilla")
+from eagle2_core.models import Target, forward, load_target
+from eagle2_core.registry import encode_chat, shipped_draft
+from eagle2_core.tree import DraftTree, root_only
+from eagle2_core.verify import choose_token, greedy_accept, sample_accept
 
 
 class PromptError(ValueError):
     """The prompt cannot be decoded (empty, or longer than the model's context)."""
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """What to generate and how; tree parameters as in the EAGLE-2 reference."""
-
-    mode: str = "eagle2"
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    top_k: int = 10
-    depth: int = 5
-    total_tokens: int = 60
-    static_tree: tuple[tuple[int, ...], ...] = DEFAULT_STATIC_TREE
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
-        if self.total_tokens < 1:
-            raise ValueError(f"total_tokens must be >= 1, got {self.total_tokens}")
-
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p)
 
 
 @dataclass

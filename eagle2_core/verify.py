@@ -7,23 +7,10 @@ least one token and the output is exactly what the target alone would produce.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from eagle2_core.config import Sampling
 from eagle2_core.tree import DraftTree
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Target sampling parameters; temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
 
 
 def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from eagle2_core.models import DEFAULT_MODEL
+from eagle2_core.registry import DEFAULT_MODEL
 from producer.inputs import read_requests
 from producer.validate import Rejected
 
@@ -71,7 +71,8 @@ def bench(
         eagle2-batch bench --dataset ../shared/benchmarks/mt_bench/question.jsonl --limit 10
     """
     from eagle2_core.bench import identical_outputs, run_bench
-    from eagle2_core.engine import DecodeConfig, load_engine
+    from eagle2_core.config import DecodeConfig
+    from eagle2_core.engine import load_engine
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = set(mode_list) - {"vanilla", "eagle1", "eagle2"}
@@ -139,7 +140,7 @@ def bench(
 def _batch_report(engine, questions, config, sizes, dataset, draft, as_json) -> None:
     """Shard throughput at each batch size (`run_batch_bench`), as a table or JSON."""
     from eagle2_core.bench import run_batch_bench
-    from eagle2_core.models import encode_chat
+    from eagle2_core.registry import encode_chat
 
     prompts = [encode_chat(engine.target.tokenizer, messages) for messages, _ in questions]
 

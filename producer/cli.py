@@ -2,6 +2,18 @@
 
 import click
 
+from producer import (
+    bench_cli,
+    db_cli,
+    export,
+    models_cli,
+    run_cli,
+    stats,
+    submit_cli,
+    train_cli,
+    worker_cli,
+)
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="eagle2-batch")
@@ -9,16 +21,19 @@ def main() -> None:
     """Large offline generation jobs with lossless EAGLE-2 speculative decoding."""
 
 
-main.add_command(__import__("producer.db_cli", fromlist=["db"]).db)
-main.add_command(__import__("producer.stats", fromlist=["stats"]).stats)
-main.add_command(__import__("producer.export", fromlist=["export"]).export)
-main.add_command(__import__("producer.run_cli", fromlist=["run"]).run)
-main.add_command(__import__("producer.submit_cli", fromlist=["submit"]).submit)
-main.add_command(__import__("producer.submit_cli", fromlist=["status"]).status)
-main.add_command(__import__("producer.submit_cli", fromlist=["cancel"]).cancel)
-main.add_command(__import__("producer.submit_cli", fromlist=["resume"]).resume)
-main.add_command(__import__("producer.submit_cli", fromlist=["verify"]).verify)
-main.add_command(__import__("producer.worker_cli", fromlist=["worker"]).worker)
-main.add_command(__import__("producer.train_cli", fromlist=["train_draft"]).train_draft)
-main.add_command(__import__("producer.models_cli", fromlist=["models"]).models)
-main.add_command(__import__("producer.bench_cli", fromlist=["bench"]).bench)
+for command in (
+    db_cli.db,
+    stats.stats,
+    export.export,
+    run_cli.run,
+    submit_cli.submit,
+    submit_cli.status,
+    submit_cli.cancel,
+    submit_cli.resume,
+    submit_cli.verify,
+    worker_cli.worker,
+    train_cli.train_draft,
+    models_cli.models,
+    bench_cli.bench,
+):
+    main.add_command(command)

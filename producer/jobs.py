@@ -20,9 +20,8 @@ from typing import Any
 
 from sqlalchemy import Engine, delete, select, update
 
-from eagle2_core.draft import shipped_draft
-from eagle2_core.engine import DecodeConfig
-from eagle2_core.models import ModelLoadError, encode_chat, resolve_model
+from eagle2_core.config import DecodeConfig
+from eagle2_core.registry import ModelLoadError, encode_chat, resolve_model, shipped_draft
 from producer.inputs import Rejected, Request, Shard, plan_shards, read_requests
 from workers.db import (
     SHARD_STATES,

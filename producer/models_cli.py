@@ -2,8 +2,7 @@
 
 import click
 
-from eagle2_core.draft import shipped_draft
-from eagle2_core.models import ALIASES, DEFAULT_MODEL
+from eagle2_core.registry import ALIASES, DEFAULT_MODEL, shipped_draft
 
 
 @click.command()

@@ -66,7 +66,7 @@ def _load_decoder(spec: JobSpec, device: str, batch_size: int | None) -> Any:
     import torch
 
     from eagle2_core.draft import DraftCheckpointError
-    from eagle2_core.models import ModelLoadError
+    from eagle2_core.registry import ModelLoadError
     from workers.decoding import DraftUnavailableError, SampleDecoder
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

@@ -26,8 +26,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from tqdm import tqdm
 
-from eagle2_core.engine import MODES, DecodeConfig
-from eagle2_core.models import DEFAULT_MODEL
+from eagle2_core.config import MODES, DecodeConfig
+from eagle2_core.registry import DEFAULT_MODEL
 from producer.inputs import InputFileError
 from producer.jobs import (
     JobError,

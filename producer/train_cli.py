@@ -18,25 +18,19 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from sqlalchemy import select
 
-from eagle2_core.bench import run_bench
-from eagle2_core.draft import new_draft_head, save_draft
-from eagle2_core.engine import DecodeConfig, Engine
-from eagle2_core.models import DEFAULT_MODEL, ModelLoadError, Target, load_target
-from eagle2_core.train.data import (
-    Conversation,
-    count_answer_tokens,
-    is_validation,
-    load_shards,
-    make_conversation,
-    write_feature_shards,
-)
-from eagle2_core.train.loop import Metrics, TrainConfig, train
+from eagle2_core.config import DecodeConfig
+from eagle2_core.registry import DEFAULT_MODEL, ModelLoadError
 from workers.db import iter_samples, jobs_t, make_engine
+
+if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
+    from eagle2_core.models import Target
+    from eagle2_core.train.data import Conversation
+    from eagle2_core.train.loop import TrainConfig
 
 
 def _messages(obj: dict[str, Any]) -> list[dict] | None:
@@ -70,6 +64,8 @@ def select_prompts(
     The order is fixed by the ids alone, so a larger --max-samples keeps the earlier
     selection as its prefix and the answers and shards already made stay valid.
     """
+
+    from eagle2_core.train.data import is_validation
 
     def rank(item: tuple[str, list[dict]]) -> str:
         return hashlib.sha256(f"select:{item[0]}".encode()).hexdigest()
@@ -141,6 +137,8 @@ def build_conversations(
     target: Target, items: list[tuple[str, list[dict]]], answers: dict, max_len: int
 ) -> list[Conversation]:
     """Conversations of the prompts that have an answer, in selection order."""
+    from eagle2_core.train.data import make_conversation
+
     conversations = []
     for sample_id, messages in items:
         row = answers.get(sample_id)
@@ -161,6 +159,8 @@ def build_conversations(
 
 def model_card(summary: dict[str, Any], config: TrainConfig) -> str:
     """A short README.md for the head: how it was made and what it reaches."""
+    from eagle2_core.train.loop import Metrics
+
     val = summary["validation"] or asdict(Metrics())
     tau = summary["tau"]
     noise = config.noise_width / 2
@@ -399,6 +399,13 @@ def train_draft(
     Stages: answers -> features -> train -> evaluate -> head. The head is written to
     OUT/head and can be passed as --draft; OUT/summary.json holds the numbers.
     """
+    from eagle2_core.bench import run_bench
+    from eagle2_core.draft import new_draft_head, save_draft
+    from eagle2_core.engine import Engine
+    from eagle2_core.models import load_target
+    from eagle2_core.train.data import count_answer_tokens, load_shards, write_feature_shards
+    from eagle2_core.train.loop import TrainConfig, train
+
     started = time.perf_counter()
     train_items, val_items = select_prompts(prompts, max_samples, val_samples)
     if not train_items:

@@ -17,17 +17,11 @@ from typing import Any
 
 import torch
 
-from eagle2_core.draft import load_draft, new_draft_head, shipped_draft
-from eagle2_core.engine import (
-    MODES,
-    BatchDecoder,
-    DecodeConfig,
-    Engine,
-    Generation,
-    PromptError,
-    seeded_generator,
-)
-from eagle2_core.models import Target, encode_chat, load_target
+from eagle2_core.config import MODES, DecodeConfig
+from eagle2_core.draft import load_draft, new_draft_head
+from eagle2_core.engine import BatchDecoder, Engine, Generation, PromptError, seeded_generator
+from eagle2_core.models import Target, load_target
+from eagle2_core.registry import encode_chat, shipped_draft
 from producer.validate import Request
 
 log = logging.getLogger(__name__)

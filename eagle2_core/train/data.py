@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from eagle2_core.models import END_OF_TURN_TOKENS, Target, encode_chat, forward
+from eagle2_core.models import Target, forward
+from eagle2_core.registry import END_OF_TURN_TOKENS, encode_chat
 
 VALIDATION_MODULUS = 50
 SHARD_GLOB = "shard-*.safetensors"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle2_core.engine import BatchDecoder, DecodeConfig, Engine
+from eagle2_core.config import DecodeConfig
+from eagle2_core.engine import BatchDecoder, Engine
 from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
 
 LENGTHS = (1, 70, 5, 140, 23, 3, 9, 40, 2, 60)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from eagle2_core.bench import hf_generate_batch, run_batch_bench
-from eagle2_core.engine import DecodeConfig, Engine
+from eagle2_core.config import DecodeConfig
+from eagle2_core.engine import Engine
 from tests.eagle2_core.tiny import hf_greedy, prompts, tiny_head, tiny_target
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from eagle2_core.config import DecodeConfig
 from eagle2_core.drafters import PromptLookupDrafter
-from eagle2_core.engine import DecodeConfig, Engine, PromptError
+from eagle2_core.engine import Engine, PromptError
 from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
 
 

@@ -15,7 +15,8 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from eagle2_core.engine import DecodeConfig, Engine
+from eagle2_core.config import DecodeConfig
+from eagle2_core.engine import Engine
 from eagle2_core.tree import DraftTree
 from tests.eagle2_core.tiny import tiny_head, tiny_target
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from eagle2_core.bench import hf_generate
+from eagle2_core.config import DecodeConfig
 from eagle2_core.draft import DraftCheckpointError
-from eagle2_core.engine import DecodeConfig, load_engine
-from eagle2_core.models import encode_chat
+from eagle2_core.engine import load_engine
+from eagle2_core.registry import encode_chat
 
 pytestmark = pytest.mark.slow
 

@@ -7,14 +7,9 @@ import math
 import pytest
 import torch
 
-from eagle2_core.tree import (
-    DEFAULT_STATIC_TREE,
-    CandidatePool,
-    DraftTree,
-    check_static_tree,
-    rerank,
-)
-from eagle2_core.verify import Sampling, greedy_accept, sample_accept
+from eagle2_core.config import DEFAULT_STATIC_TREE, Sampling
+from eagle2_core.tree import CandidatePool, DraftTree, check_static_tree, rerank
+from eagle2_core.verify import greedy_accept, sample_accept
 
 
 def ln(p: float) -> float:

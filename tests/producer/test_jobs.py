@@ -277,7 +277,7 @@ def _request(messages: list[dict[str, str]]) -> Request:
 
 def test_prompt_counter_decides_exactly_like_the_tokenizer() -> None:
     """The byte bound only ever replaces a count when both are under the context."""
-    from eagle2_core.models import encode_chat
+    from eagle2_core.registry import encode_chat
 
     tokenizer = tiny_target().tokenizer
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -297,7 +297,7 @@ def test_prompt_counter_decides_exactly_like_the_tokenizer() -> None:
 
 
 def test_prompt_counter_is_exact_for_tokenizers_with_a_normalizer() -> None:
-    from eagle2_core.models import encode_chat
+    from eagle2_core.registry import encode_chat
 
     tokenizer = tiny_target().tokenizer
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle2_core.config import DecodeConfig
 from eagle2_core.draft import save_draft
-from eagle2_core.engine import DecodeConfig, Engine
+from eagle2_core.engine import Engine
 from producer.validate import Request
 from tests.eagle2_core.tiny import tiny_head, tiny_target
 from workers.db import SAMPLE_FIELDS

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from eagle2_core.bench import run_bench
+from eagle2_core.config import DecodeConfig
 from eagle2_core.draft import load_draft, new_draft_head, save_draft
-from eagle2_core.engine import DecodeConfig, Engine
-from eagle2_core.models import Target, encode_chat
+from eagle2_core.engine import Engine
+from eagle2_core.models import Target
+from eagle2_core.registry import encode_chat
 from eagle2_core.train import data as data_module
 from eagle2_core.train.data import (
     Conversation,

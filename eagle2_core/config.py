@@ -1,0 +1,80 @@
+"""Decoding settings, free of torch: the producer validates jobs with them without
+loading a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("eagle2", "eagle1", "vanilla")
+
+
+# EAGLE-1's default static tree (the reference's mc_sim_7b_63): each path lists the
+# rank of the child taken at every level below the root.
+DEFAULT_STATIC_TREE: tuple[tuple[int, ...], ...] = (
+    (0,),
+    (1,),
+    (2,),
+    (3,),
+    (0, 0),
+    (0, 1),
+    (0, 2),
+    (1, 0),
+    (1, 1),
+    (2, 0),
+    (2, 1),
+    (3, 0),
+    (0, 0, 0),
+    (0, 0, 1),
+    (0, 0, 2),
+    (0, 1, 0),
+    (0, 1, 1),
+    (0, 2, 0),
+    (0, 2, 1),
+    (1, 0, 0),
+    (0, 0, 0, 0),
+    (0, 0, 0, 1),
+    (0, 0, 0, 2),
+    (0, 0, 0, 0, 0),
+    (0, 0, 0, 0, 1),
+)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Target sampling parameters; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """What to generate and how; tree parameters as in the EAGLE-2 reference."""
+
+    mode: str = "eagle2"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    top_k: int = 10
+    depth: int = 5
+    total_tokens: int = 60
+    static_tree: tuple[tuple[int, ...], ...] = DEFAULT_STATIC_TREE
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.total_tokens < 1:
+            raise ValueError(f"total_tokens must be >= 1, got {self.total_tokens}")
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p)

