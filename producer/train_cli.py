@@ -24,10 +24,11 @@ import click
 from sqlalchemy import select
 
 from eagle2_core.config import DecodeConfig
-from eagle2_core.registry import DEFAULT_MODEL, ModelLoadError
+from eagle2_core.registry import DEFAULT_MODEL, ModelLoadError, encode_chat
 from workers.db import iter_samples, jobs_t, make_engine
 
 if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
+    from eagle2_core.engine import Engine
     from eagle2_core.models import Target
     from eagle2_core.train.data import Conversation
     from eagle2_core.train.loop import TrainConfig
@@ -189,6 +190,20 @@ def model_card(summary: dict[str, Any], config: TrainConfig) -> str:
         "the target's embedding table and lm_head are used, not stored.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def measure_tau(
+    engine: Engine, questions: list[tuple[list[dict], list]], max_new_tokens: int, batch_size: int
+) -> float | None:
+    """Greedy EAGLE-2 tau (default tree) over the questions' first turns, decoded in batches."""
+    config = DecodeConfig(mode="eagle2", max_new_tokens=max_new_tokens)
+    tokenizer = engine.target.tokenizer
+    items = [(i, encode_chat(tokenizer, m), config) for i, (m, _) in enumerate(questions)]
+    rounds = cycles = 0
+    for _, generation in engine.generate_batch(items, batch_size):
+        rounds += generation.stats.round_tokens
+        cycles += generation.stats.n_cycles
+    return rounds / cycles if cycles else None
 
 
 def _fmt_tau(tau: float | None) -> str:
@@ -399,7 +414,6 @@ def train_draft(
     Stages: answers -> features -> train -> evaluate -> head. The head is written to
     OUT/head and can be passed as --draft; OUT/summary.json holds the numbers.
     """
-    from eagle2_core.bench import run_bench
     from eagle2_core.draft import new_draft_head, save_draft
     from eagle2_core.engine import Engine
     from eagle2_core.models import load_target
@@ -453,9 +467,7 @@ def train_draft(
     where = f"{eval_prompts.parent.name}/{eval_prompts.name}" if eval_prompts else "validation"
     tau = None
     if questions:  # the Engine casts the head to the target's dtype: measure after training
-        engine = Engine(target, head.eval())
-        config_t0 = DecodeConfig(mode="eagle2", max_new_tokens=max_new_tokens)
-        tau = run_bench(engine, questions, ["eagle2"], config_t0)["eagle2"].tau
+        tau = measure_tau(Engine(target, head.eval()), questions, max_new_tokens, answer_batch_size)
     summary = {
         "model": model,
         "prompts": prompts.name,
