@@ -83,6 +83,8 @@ def make_app() -> Celery:
         # Results live in the database, not in a Celery result backend.
         task_ignore_result=True,
         broker_connection_retry_on_startup=True,
+        # An overnight job outlives a broker restart of any length: never give up on it.
+        broker_connection_max_retries=None,
         broker_transport_options=transport_options(visibility_timeout()),
         # Task events let Flower show which worker runs which shard.
         worker_send_task_events=True,

@@ -79,6 +79,7 @@ def test_celery_configuration():
     )
     assert conf.task_acks_late and conf.task_reject_on_worker_lost and conf.task_ignore_result
     assert conf.worker_prefetch_multiplier == 1
+    assert conf.broker_connection_max_retries is None  # a long broker outage is waited out
     assert conf.broker_transport_options["visibility_timeout"] == visibility_timeout()
     assert tasks.run_shard.name == "eagle2.run_shard"
     assert tasks.run_shard.autoretry_for == RETRYABLE_DB_ERRORS and tasks.run_shard.retry_backoff
