@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from eagle2_core.batch_draft import BatchEagleDrafter
 from eagle2_core.config import DecodeConfig
 from eagle2_core.draft import DraftCheckpointError, DraftHead, load_draft, new_draft_head
 from eagle2_core.drafters import Drafter, EagleDrafter
@@ -125,6 +126,7 @@ class Engine:
         self.draft_head = draft_head.to(target.device, target.dtype) if draft_head else None
 
     def drafter_for(self, config: DecodeConfig) -> Drafter | None:
+        """A per-sequence drafter for the mode (EAGLE-2 rows of a batch draft together)."""
         if config.mode == "vanilla":
             return None
         if self.draft_head is None:
@@ -183,7 +185,8 @@ class _Sequence:
 
     key: Hashable
     config: DecodeConfig
-    drafter: Drafter | None
+    drafter: Drafter | None  # its own drafter, if it does not draft with a group
+    group: tuple[int, int] | None  # (top_k, depth) of the batched EAGLE-2 drafter it uses
     generator: torch.Generator
     prompt_len: int
     stats: DecodeStats
@@ -210,6 +213,7 @@ class BatchDecoder:
         self.kv: BatchKV | None = None
         self.rows: list[_Sequence] = []
         self.finished: list[tuple[Hashable, Generation]] = []
+        self.groups: dict[tuple[int, int], BatchEagleDrafter] = {}
 
     @property
     def active(self) -> int:
@@ -242,7 +246,11 @@ class BatchDecoder:
         if config.max_new_tokens == 0:
             self.finished.append((key, Generation([], "", "length", len(prompt_ids), stats)))
             return
-        drafter = drafter if drafter is not None else self.engine.drafter_for(config)
+        group = None
+        if drafter is None and config.mode == "eagle2" and self.engine.draft_head is not None:
+            group = (config.top_k, config.depth)
+        elif drafter is None:
+            drafter = self.engine.drafter_for(config)
         if drafter is not None:
             drafter.reset()
         generator = generator if generator is not None else seeded_generator(config.seed)
@@ -253,6 +261,7 @@ class BatchDecoder:
             key=key,
             config=config,
             drafter=drafter,
+            group=group,
             generator=generator,
             prompt_len=len(prompt_ids),
             stats=stats,
@@ -270,6 +279,10 @@ class BatchDecoder:
             self.kv = BatchKV(cache, len(prompt_ids))
         else:
             self.kv.add(cache, len(prompt_ids))
+        if group is not None:
+            if group not in self.groups:
+                self.groups[group] = BatchEagleDrafter(self.engine.draft_head, target, *group)
+            self.groups[group].add(seq.features, seq.next_tokens)
         self.rows.append(seq)
 
     @torch.inference_mode()
@@ -288,20 +301,7 @@ class BatchDecoder:
         self._drop_finished()
         if not self.rows:
             return
-        trees = []
-        for seq in self.rows:
-            t0 = time.perf_counter()
-            budget = min(seq.config.total_tokens, target.max_context - seq.context_len)
-            root = int(seq.next_tokens[-1])
-            if seq.drafter is None:
-                trees.append(root_only(root))
-            else:
-                trees.append(
-                    seq.drafter.draft(seq.features, seq.next_tokens, seq.context_len, budget)
-                )
-            draft_ms = (time.perf_counter() - t0) * 1000
-            seq.stats.draft_ms += draft_ms
-            seq.stats.total_ms += draft_ms
+        trees = self._draft()
         t1 = time.perf_counter()
         logits, hidden = verify(target, self.kv, trees, [s.context_len for s in self.rows])
         decisions = []
@@ -335,6 +335,38 @@ class BatchDecoder:
             seq.stats.record(tree, accepted, kept)
         self._drop_finished()
 
+    def _draft(self) -> list[DraftTree]:
+        """Every row's tree: each group's rows in one batched draft, the others alone.
+        A group's drafting time is shared evenly by its rows."""
+        target = self.engine.target
+        trees: list[DraftTree | None] = [None] * len(self.rows)
+        for seq_index, seq in enumerate(self.rows):
+            if seq.group is None:
+                t0 = time.perf_counter()
+                budget = min(seq.config.total_tokens, target.max_context - seq.context_len)
+                if seq.drafter is None:
+                    trees[seq_index] = root_only(int(seq.next_tokens[-1]))
+                else:
+                    trees[seq_index] = seq.drafter.draft(
+                        seq.features, seq.next_tokens, seq.context_len, budget
+                    )
+                _add_draft_ms(seq, (time.perf_counter() - t0) * 1000)
+        for group, drafter in self.groups.items():
+            members = [i for i, seq in enumerate(self.rows) if seq.group == group]
+            seqs = [self.rows[i] for i in members]
+            t0 = time.perf_counter()
+            group_trees = drafter.draft(
+                [s.features for s in seqs],
+                [s.next_tokens for s in seqs],
+                [s.context_len for s in seqs],
+                [min(s.config.total_tokens, target.max_context - s.context_len) for s in seqs],
+            )
+            share = (time.perf_counter() - t0) * 1000 / len(seqs)
+            for i, seq, tree in zip(members, seqs, group_trees, strict=True):
+                trees[i] = tree
+                _add_draft_ms(seq, share)
+        return trees
+
     def _drop_finished(self) -> None:
         keep = [i for i, seq in enumerate(self.rows) if seq.finish is None]
         if len(keep) == len(self.rows):
@@ -342,6 +374,13 @@ class BatchDecoder:
         for seq in self.rows:
             if seq.finish is not None:
                 self._retire(seq)
+        for group in list(self.groups):
+            members = [seq for seq in self.rows if seq.group == group]
+            kept = [i for i, seq in enumerate(members) if seq.finish is None]
+            if kept:
+                self.groups[group].keep_rows(kept)
+            else:
+                del self.groups[group]
         self.rows = [self.rows[i] for i in keep]
         if keep:
             self.kv.keep_rows(keep)
@@ -352,6 +391,11 @@ class BatchDecoder:
         text = self.engine.target.tokenizer.decode(seq.output, skip_special_tokens=True)
         generation = Generation(seq.output, text, seq.finish, seq.prompt_len, seq.stats)
         self.finished.append((seq.key, generation))
+
+
+def _add_draft_ms(seq: _Sequence, ms: float) -> None:
+    seq.stats.draft_ms += ms
+    seq.stats.total_ms += ms
 
 
 def _finish(token: int, n_out: int, config: DecodeConfig, target: Target) -> str | None:

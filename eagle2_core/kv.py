@@ -66,13 +66,19 @@ class BatchKV:
 
         N is the largest tree; a shorter tree's padding queries see only themselves.
         """
-        n = max(t.size for t in trees)
+        return self.new_tokens_mask([t.ancestor_mask for t in trees], dtype)
+
+    def new_tokens_mask(self, ancestors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Float mask [B, 1, N, slots + N] for n_b new tokens per row that see the row's
+        tokens and, among themselves, what ancestors[b] [n_b, n_b] allows."""
+        n = max(a.shape[0] for a in ancestors)
         visible = torch.zeros(self.rows, n, self.slots + n, dtype=torch.bool)
         visible[:, :, : self.slots] = self.valid[:, None, :].cpu()
-        for row, tree in enumerate(trees):
+        for row, allowed in enumerate(ancestors):
+            size = allowed.shape[0]
             visible[row, :, self.slots :] = torch.eye(n, dtype=torch.bool)
-            visible[row, : tree.size, self.slots : self.slots + tree.size] = tree.ancestor_mask
-            visible[row, tree.size :, : self.slots] = False
+            visible[row, :size, self.slots : self.slots + size] = allowed
+            visible[row, size:, : self.slots] = False
         mask = torch.zeros(visible.shape, dtype=dtype)
         mask.masked_fill_(~visible, torch.finfo(dtype).min)
         return mask[:, None].to(self._device)
