@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from eagle2_core.config import DecodeConfig
-from eagle2_core.engine import Engine
+from eagle2_core.engine import BatchDecoder, Engine
 from eagle2_core.tree import DraftTree
 from tests.eagle2_core.tiny import tiny_head, tiny_target
 
@@ -63,14 +63,23 @@ class WideDrafter:
 
 
 def eagle_draws(engine: Engine, config: DecodeConfig, n: int, drafter=None) -> tuple[Counter, int]:
-    """Counts of (x1, x2) over n seeds, and how many draws accepted a drafted token."""
+    """Counts of (x1, x2) over n seeds, and how many draws accepted a drafted token.
+
+    Drawn 100 sequences at a time (each with its own seeded generator): batching is part
+    of what must preserve the distribution.
+    """
     counts: Counter = Counter()
     accepted = 0
+    decoder = BatchDecoder(engine)
     for seed in range(n):
         config_n = DecodeConfig(**{**config.__dict__, "seed": seed})
-        out = engine.generate(PROMPT, config_n, drafter=drafter)
-        counts[tuple(out.token_ids[:2])] += 1
-        accepted += len(out.stats.accept_hist) > 1
+        decoder.add(seed, PROMPT, config_n, drafter=drafter)
+        if decoder.active < 100 and seed < n - 1:
+            continue
+        while not decoder.idle:
+            for _, out in decoder.step():
+                counts[tuple(out.token_ids[:2])] += 1
+                accepted += len(out.stats.accept_hist) > 1
     return counts, accepted
 
 

@@ -54,17 +54,14 @@ def cases(engine):
     return cases
 
 
-@pytest.mark.parametrize("mode", ["eagle1", "eagle2"])
-def test_greedy_equals_generate_on_mt_bench(engine, cases, mode):
-    for ids, expected in cases:
-        got = engine.generate(ids, DecodeConfig(mode=mode, max_new_tokens=64))
+def test_greedy_equals_generate_on_mt_bench(engine, cases):
+    """EAGLE-1 (static tree, one prompt at a time) on two prompts; EAGLE-2 on all five,
+    three at a time (continuous batching; decoding alone is a batch of one)."""
+    for ids, expected in cases[:2]:
+        got = engine.generate(ids, DecodeConfig(mode="eagle1", max_new_tokens=64))
         assert got.token_ids == expected, engine.target.tokenizer.decode(ids)
-        assert got.completion_tokens == len(expected) >= 1
-
-
-def test_batched_eagle2_equals_generate_on_mt_bench(engine, cases):
-    """Five prompts of different lengths decoded three at a time (continuous batching)."""
     items = [(i, ids, DecodeConfig(max_new_tokens=64)) for i, (ids, _) in enumerate(cases)]
     got = dict(engine.generate_batch(items, batch_size=3))
-    for i, (_, expected) in enumerate(cases):
-        assert got[i].token_ids == expected
+    for i, (ids, expected) in enumerate(cases):
+        assert got[i].token_ids == expected, engine.target.tokenizer.decode(ids)
+        assert got[i].completion_tokens == len(expected) >= 1
