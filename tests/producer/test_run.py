@@ -133,10 +133,11 @@ def test_run_eagle2_with_a_draft_head(tiny: tuple[Path, Path], tmp_path: Path) -
 
 def test_interrupted_run_resumes_where_it_stopped(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     model, _ = tiny
-    prompts = write_prompts(tmp_path / "prompts.jsonl", 24)
+    # One sample at a time and enough of them that the interrupt lands mid-job.
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 120)
     out = tmp_path / "out"
     args = [str(prompts), "--out", str(out), "--model", str(model), "--mode", "vanilla"]
-    args += ["--max-new-tokens", "24", "--shard-size", "5"]
+    args += ["--max-new-tokens", "24", "--shard-size", "5", "--batch-size", "1"]
     process = subprocess.Popen(
         [EAGLE2_BATCH, "run", *args],
         env=run_env(),
@@ -176,7 +177,7 @@ def test_interrupted_run_resumes_where_it_stopped(tiny: tuple[Path, Path], tmp_p
         with engine.connect() as conn:
             assert conn.execute(select(func.count()).select_from(db.jobs_t)).scalar() == 1
         report = verify(out, job_id)
-        assert report["ok"] and report["database_rows"] == report["parquet_rows"] == 24
+        assert report["ok"] and report["database_rows"] == report["parquet_rows"] == 120
     finally:
         if process.poll() is None:
             process.kill()
