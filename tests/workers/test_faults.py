@@ -208,9 +208,9 @@ class FaultCluster(Cluster):
             self.children += _children_of(proc.pid)
         return proc
 
-    def launch_all(self, *hosts: str) -> list[subprocess.Popen[bytes]]:
+    def launch_all(self, *hosts: str, extra: tuple[str, ...] = ()) -> list[subprocess.Popen[bytes]]:
         """Start several launchers at once (start-up is the slow part); wait for all."""
-        procs = [self.launch(h, wait=False) for h in hosts]
+        procs = [self.launch(h, *extra, wait=False) for h in hosts]
         logs = self.logs[-len(hosts) :]
         self.wait(lambda: all(" ready." in p.read_text() for p in logs), 600, "workers start")
         for proc in procs:
@@ -579,7 +579,8 @@ def test_visibility_timeout_shorter_than_a_shard(make_cluster: Callable[..., Fau
     """A 2 s visibility timeout and a shard of several seconds: Redis hands the running
     shard to the idle worker too, so both decode it at once. Rows stay unique."""
     c = make_cluster(visibility_timeout=2)
-    c.launch_all("vt-a", "vt-b")
+    # One sample at a time: a batched shard can finish inside the 2 s.
+    c.launch_all("vt-a", "vt-b", extra=("--batch-size", "1"))
     n = SHARD_SIZE
     job_id = c.submit(n)
     t0 = time.monotonic()
