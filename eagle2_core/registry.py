@@ -86,7 +86,13 @@ HEADS_DIR = Path(__file__).parent / "heads"
 
 
 def shipped_draft(model_name: str) -> Path | None:
-    """The draft head shipped in the package for a built-in model alias, if any."""
+    """The draft head shipped in the package for a built-in model alias, if any.
+
+    Only aliases: a model given as a path names no shipped head (and an absolute path
+    joined onto HEADS_DIR would be the model's own folder).
+    """
+    if model_name not in ALIASES:
+        return None
     directory = HEADS_DIR / model_name
     return directory if (directory / "config.json").exists() else None
 
