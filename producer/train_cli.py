@@ -24,7 +24,7 @@ import click
 from sqlalchemy import select
 
 from eagle2_core.config import DecodeConfig
-from eagle2_core.registry import DEFAULT_MODEL, ModelLoadError, encode_chat
+from eagle2_core.registry import DEFAULT_MODEL, ModelLoadError, encode_chat, shipped_draft
 from workers.db import iter_samples, jobs_t, make_engine
 
 if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
@@ -180,7 +180,8 @@ def model_card(summary: dict[str, Any], config: TrainConfig) -> str:
         f"{config.warmup_steps} warm-up steps then {config.schedule}; gradient clip "
         f"{config.grad_clip}; input noise U(-{noise:g}, {noise:g}); "
         f"{'bf16 autocast' if config.autocast else 'fp32'} on {config.device}",
-        f"- tokens seen: {summary['tokens_seen']}",
+        f"- tokens seen: {summary['tokens_seen']}"
+        + (f", starting from the head `{summary['init_head']}`" if summary["init_head"] else ""),
         f"- validation: {summary['validation_conversations']} held-out conversations, "
         f"{val['positions']} positions: loss {val['loss']:.4f}, top-1 agreement with the "
         f"target {val['top1']:.1%}",
@@ -190,6 +191,16 @@ def model_card(summary: dict[str, Any], config: TrainConfig) -> str:
         "the target's embedding table and lm_head are used, not stored.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _init_head_dir(init_head: str, model: str) -> Path:
+    """--init-head's folder: `shipped` names the package's head for a built-in alias."""
+    if init_head != "shipped":
+        return Path(init_head)
+    shipped = shipped_draft(model)
+    if shipped is None:
+        raise click.ClickException(f"--init-head shipped: the package ships no head for {model}")
+    return shipped
 
 
 def measure_tau(
@@ -382,6 +393,13 @@ def ensure_answers(
     help="Seeds answer sampling, the head's init, data order and input noise.",
 )
 @click.option(
+    "--init-head",
+    default=None,
+    help="Start from this head's weights instead of a random init, to fine-tune it on "
+    "more answers: a head folder (config.json + model.safetensors) or `shipped`, the "
+    "head the package ships for MODEL. A checkpoint taken up with --resume wins over it.",
+)
+@click.option(
     "--resume",
     is_flag=True,
     help="Continue training from OUT/checkpoints. Answers and features always "
@@ -407,6 +425,7 @@ def train_draft(
     device: str,
     precision: str,
     seed: int,
+    init_head: str | None,
     resume: bool,
 ) -> None:
     """Train an EAGLE draft head for MODEL on its own answers to PROMPTS.
@@ -414,7 +433,7 @@ def train_draft(
     Stages: answers -> features -> train -> evaluate -> head. The head is written to
     OUT/head and can be passed as --draft; OUT/summary.json holds the numbers.
     """
-    from eagle2_core.draft import new_draft_head, save_draft
+    from eagle2_core.draft import DraftCheckpointError, load_draft, new_draft_head, save_draft
     from eagle2_core.engine import Engine
     from eagle2_core.models import load_target
     from eagle2_core.train.data import count_answer_tokens, load_shards, write_feature_shards
@@ -456,7 +475,13 @@ def train_draft(
         seed=seed,
         device=device,
     )
-    head = new_draft_head(target.model.config, seed=seed)
+    if init_head is None:
+        head = new_draft_head(target.model.config, seed=seed)
+    else:
+        try:
+            head = load_draft(_init_head_dir(init_head, model), target.model.config)
+        except DraftCheckpointError as exc:
+            raise click.ClickException(f"--init-head: {exc}") from None
     result = train(head, target, train_data, config, out / "checkpoints", resume, val_data)
     if result.validation is not None:
         v = result.validation
@@ -483,6 +508,7 @@ def train_draft(
         "history": result.history,
         "tau": tau,
         "tau_source": f"{len(questions)} first turns from {where}, {max_new_tokens} new tokens",
+        "init_head": init_head,
         "config": asdict(config),
         "seconds": round(time.perf_counter() - started, 1),
     }

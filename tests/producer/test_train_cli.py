@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import producer.train_cli as train_cli
-from eagle2_core.draft import load_draft
+from eagle2_core.draft import load_draft, new_draft_head, save_draft
 from eagle2_core.models import load_target
 from eagle2_core.train.data import is_validation
 from producer.cli import main
@@ -96,3 +97,32 @@ def test_train_draft_end_to_end_and_resume(
     train, val = train_cli.select_prompts(prompts, 9, 2)
     train_cli.ensure_answers(out, train + val, str(model_dir), 10, 0.0, 0, "cpu", 4)
     assert sent == [[train[8][0]]]
+
+
+def test_init_head_fine_tunes_the_given_head(
+    model_dir: Path, prompts: Path, tmp_path: Path
+) -> None:
+    target = load_target(str(model_dir))
+    start = save_draft(new_draft_head(target.model.config, seed=11), tmp_path / "start")
+    args = [
+        "train-draft", "--model", str(model_dir), "--prompts", str(prompts),
+        "--max-samples", "4", "--val-samples", "0", "--epochs", "1", "--batch-size", "4",
+        "--max-new-tokens", "6", "--eval-samples", "0", "--lr", "1e-9", "--warmup-steps", "0",
+    ]  # fmt: skip
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, [*args, "--out", str(out), "--init-head", str(start)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    # One step at lr 1e-9 leaves the weights where they started (up to bf16 rounding) ...
+    trained, initial = load_draft(out / "head"), load_draft(start)
+    fresh = new_draft_head(target.model.config, seed=0)
+    assert torch.equal(trained.fc.weight, initial.fc.weight)
+    assert not torch.allclose(trained.fc.weight.float(), fresh.fc.weight)
+    assert f"starting from the head `{start}`" in (out / "head" / "README.md").read_text()
+
+    # ... and a folder that holds no head is named in the error, before any training.
+    bad = CliRunner().invoke(
+        main, [*args, "--out", str(out), "--init-head", str(tmp_path / "nowhere")]
+    )
+    assert bad.exit_code != 0 and "--init-head" in bad.output and "nowhere" in bad.output
+    shipped = CliRunner().invoke(main, [*args, "--out", str(out), "--init-head", "shipped"])
+    assert shipped.exit_code != 0 and "ships no head" in shipped.output
