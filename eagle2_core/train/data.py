@@ -28,6 +28,7 @@ from eagle2_core.registry import END_OF_TURN_TOKENS, encode_chat
 
 VALIDATION_MODULUS = 50
 SHARD_GLOB = "shard-*.safetensors"
+FEATURE_BATCH_TOKENS = 4096  # padded tokens per target forward while extracting features
 
 
 def is_validation(sample_id: str) -> bool:
@@ -93,15 +94,42 @@ def make_conversation(
 
 
 @torch.inference_mode()
-def conversation_features(target: Target, conversation: Conversation) -> FeatureSequence:
-    """One target forward over prompt + answer; the mask is True on exactly the answer tokens."""
-    ids = torch.tensor(conversation.ids, device=target.device)
-    positions = torch.arange(len(ids), device=target.device)[None]
+def conversation_features(
+    target: Target, conversations: Sequence[Conversation]
+) -> list[FeatureSequence]:
+    """One target forward over a right-padded batch of conversations (prompt + answer).
+
+    Right padding needs no attention mask: under causal attention a real token never sees
+    a later pad. Each result's mask is True on exactly its answer tokens.
+    """
+    lengths = [len(c.ids) for c in conversations]
+    ids = torch.zeros(len(conversations), max(lengths), dtype=torch.long)
+    for row, conversation in enumerate(conversations):
+        ids[row, : lengths[row]] = torch.tensor(conversation.ids)
+    positions = torch.arange(ids.shape[1]).expand(len(conversations), -1)
     cache = DynamicCache(config=target.model.config)
-    features = forward(target, ids[None], positions, cache)[0]
-    mask = torch.zeros(len(ids), dtype=torch.bool)
-    mask[len(conversation.prompt_ids) :] = True
-    return FeatureSequence(ids.cpu(), features.to("cpu", torch.bfloat16), mask)
+    features = forward(target, ids.to(target.device), positions.to(target.device), cache)
+    features = features.to("cpu", torch.bfloat16)
+    sequences = []
+    for row, conversation in enumerate(conversations):
+        mask = torch.zeros(lengths[row], dtype=torch.bool)
+        mask[len(conversation.prompt_ids) :] = True
+        sequences.append(
+            FeatureSequence(ids[row, : lengths[row]], features[row, : lengths[row]], mask)
+        )
+    return sequences
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped by similar length, each group's padded size (count x longest) at
+    most max_tokens (a longer single item gets a group of its own)."""
+    batches: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if batches and (len(batches[-1]) + 1) * lengths[index] <= max_tokens:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
 
 
 def _digest(conversations: Sequence[Conversation], model_name: str) -> str:
@@ -126,11 +154,14 @@ def write_feature_shards(
     directory: str | Path,
     shard_size: int = 64,
     progress: bool = True,
+    batch_tokens: int = FEATURE_BATCH_TOKENS,
 ) -> list[Path]:
     """Extract features for every conversation into shard files; skips up-to-date shards.
 
-    Shard i holds conversations [i*shard_size, (i+1)*shard_size). Files are written to a
-    temporary name and renamed, so a shard on disk is always whole.
+    Shard i holds conversations [i*shard_size, (i+1)*shard_size). Conversations of similar
+    length share a forward of at most batch_tokens padded tokens (one at a time is
+    launch-bound on a GPU). Files are written to a temporary name and renamed, so a shard
+    on disk is always whole.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -148,10 +179,13 @@ def write_feature_shards(
         disable=not progress,
     )
     for path, chunk in todo:
-        sequences = []
-        for conversation in chunk:
-            sequences.append(conversation_features(target, conversation))
-            bar.update()
+        sequences: list[FeatureSequence | None] = [None] * len(chunk)
+        for group in length_batches([len(c.ids) for c in chunk], batch_tokens):
+            for index, sequence in zip(
+                group, conversation_features(target, [chunk[i] for i in group]), strict=True
+            ):
+                sequences[index] = sequence
+            bar.update(len(group))
         _save_shard(path, sequences, _digest(chunk, target.name), [c.id for c in chunk])
     bar.close()
     for stale in set(directory.glob(SHARD_GLOB)) - set(paths):
