@@ -6,23 +6,27 @@ EAGLE-2 (dynamic tree), so the three compare on equal terms.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from eagle2_core.batch_draft import BatchEagleDrafter
 from eagle2_core.config import DecodeConfig
-from eagle2_core.draft import DraftCheckpointError, DraftHead, load_draft, new_draft_head
+from eagle2_core.draft import DraftHead, load_draft, new_draft_head
 from eagle2_core.drafters import Drafter, EagleDrafter
 from eagle2_core.kv import BatchKV
 from eagle2_core.models import Target, forward, load_target
-from eagle2_core.registry import encode_chat, shipped_draft
+from eagle2_core.registry import draft_source, encode_chat, shipped_draft
 from eagle2_core.tree import DraftTree, root_only
 from eagle2_core.verify import choose_token, greedy_accept, sample_accept
+
+log = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):
@@ -411,6 +415,18 @@ def seeded_generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
 
 
+def load_head(target: Target, source: Path | None) -> DraftHead:
+    """The head at `source` (checked against the target), or an untrained one for None."""
+    if source is not None:
+        return load_draft(source, target.model.config)
+    log.warning(
+        "USING A RANDOM, UNTRAINED DRAFT HEAD for %s: outputs are correct but nothing is "
+        "sped up (tau ~ 1). This is for testing only: pass a trained head.",
+        target.name,
+    )
+    return new_draft_head(target.model.config)
+
+
 def load_engine(
     model: str,
     draft: str | None = None,
@@ -419,20 +435,10 @@ def load_engine(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> Engine:
-    """Target + draft by name. draft None = the head shipped for the model alias,
-    "random" = an untrained head (for tests: tau near 1), else a checkpoint directory."""
+    """Target + draft by name (see draft_source); without needs_draft a model with no
+    shipped head loads without one."""
+    if not needs_draft and draft is None and shipped_draft(model) is None:
+        return Engine(load_target(model, dtype=dtype, device=device))
+    source = draft_source(model, draft)
     target = load_target(model, dtype=dtype, device=device)
-    if draft is None:
-        draft = shipped_draft(model)
-        if draft is None:
-            if needs_draft:
-                raise DraftCheckpointError(
-                    f"no draft head is shipped for {model!r}: pass --draft DIR "
-                    "(train one with `eagle2-batch train-draft`) or use --mode vanilla"
-                )
-            return Engine(target)
-    if draft == "random":
-        head = new_draft_head(target.model.config)
-    else:
-        head = load_draft(draft, target.model.config)
-    return Engine(target, head)
+    return Engine(target, load_head(target, source))

@@ -106,3 +106,31 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
         return list(encoded["input_ids"])
     text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
     return tokenizer(text)["input_ids"]
+
+
+RANDOM_DRAFT = "random"
+"""The `draft` name of an untrained head: decoding stays correct (verification is
+lossless) but almost nothing is accepted, so it only exercises the machinery."""
+
+
+class DraftUnavailableError(RuntimeError):
+    """A speculative mode was asked for but no draft head is available."""
+
+
+def draft_source(model: str, draft: str | None) -> Path | None:
+    """The folder of the head `draft` names, checked before any model loads.
+
+    None names the head shipped for the model alias; RANDOM_DRAFT an untrained head
+    (returns None); anything else is a checkpoint folder.
+    """
+    if draft == RANDOM_DRAFT:
+        return None
+    if draft is not None:
+        return Path(draft)
+    shipped = shipped_draft(model)
+    if shipped is None:
+        raise DraftUnavailableError(
+            f"no EAGLE draft head ships for model {model!r}: pass --draft DIR (train one "
+            "with `eagle2-batch train-draft`), or --mode vanilla to decode without one"
+        )
+    return shipped

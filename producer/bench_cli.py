@@ -72,7 +72,9 @@ def bench(
     """
     from eagle2_core.bench import identical_outputs, run_bench
     from eagle2_core.config import DecodeConfig
+    from eagle2_core.draft import DraftCheckpointError
     from eagle2_core.engine import load_engine
+    from eagle2_core.registry import DraftUnavailableError, ModelLoadError
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = set(mode_list) - {"vanilla", "eagle1", "eagle2"}
@@ -84,7 +86,10 @@ def bench(
     questions = [
         (r.messages, [] if first_turn_only else r.followups) for r in itertools.islice(items, limit)
     ]
-    engine = load_engine(model, draft, needs_draft=mode_list != ["vanilla"])
+    try:
+        engine = load_engine(model, draft, needs_draft=mode_list != ["vanilla"])
+    except (DraftUnavailableError, DraftCheckpointError, ModelLoadError) as exc:
+        raise click.ClickException(str(exc)) from None
     config = DecodeConfig(
         max_new_tokens=max_new_tokens,
         temperature=temperature,

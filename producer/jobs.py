@@ -21,7 +21,13 @@ from typing import Any
 from sqlalchemy import Engine, delete, select, update
 
 from eagle2_core.config import DecodeConfig
-from eagle2_core.registry import ModelLoadError, encode_chat, resolve_model, shipped_draft
+from eagle2_core.registry import (
+    DraftUnavailableError,
+    ModelLoadError,
+    draft_source,
+    encode_chat,
+    resolve_model,
+)
 from producer.inputs import Rejected, Request, Shard, plan_shards, read_requests
 from workers.db import (
     SHARD_STATES,
@@ -93,13 +99,12 @@ def make_spec(
         raise JobError(f"--shard-size must be >= 1, got {shard_size}")
     if mode == "vanilla":
         draft = None
-    elif draft is None and shipped_draft(model) is None:
-        raise JobError(
-            f"mode {mode} needs an EAGLE draft head and none ships for model {model!r}: "
-            "pass --draft DIR (train one with `eagle2-batch train-draft`), "
-            "or --mode vanilla to decode without one"
-        )
-    elif draft is not None:
+    elif draft is None:
+        try:
+            draft_source(model, draft)
+        except DraftUnavailableError as exc:
+            raise JobError(f"mode {mode}: {exc}") from None
+    else:
         draft = _local_or_name(draft)
     return JobSpec(model=model, draft=draft, mode=mode, params=params, shard_size=shard_size)
 

@@ -66,8 +66,8 @@ def _load_decoder(spec: JobSpec, device: str, batch_size: int | None) -> Any:
     import torch
 
     from eagle2_core.draft import DraftCheckpointError
-    from eagle2_core.registry import ModelLoadError
-    from workers.decoding import DraftUnavailableError, SampleDecoder
+    from eagle2_core.registry import DraftUnavailableError, ModelLoadError
+    from workers.decoding import SampleDecoder
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     try:

@@ -12,32 +12,29 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagle2_core.config import MODES, DecodeConfig
-from eagle2_core.draft import load_draft, new_draft_head
-from eagle2_core.engine import BatchDecoder, Engine, Generation, PromptError, seeded_generator
+from eagle2_core.engine import (
+    BatchDecoder,
+    Engine,
+    Generation,
+    PromptError,
+    load_head,
+    seeded_generator,
+)
 from eagle2_core.models import Target, load_target
-from eagle2_core.registry import encode_chat, shipped_draft
+from eagle2_core.registry import DraftUnavailableError, draft_source, encode_chat
 from producer.validate import Request
 
 log = logging.getLogger(__name__)
-
-# The `draft` value that asks for an untrained head: decodes correctly (verification is
-# lossless) but accepts almost nothing, so it only exercises the machinery.
-RANDOM_DRAFT = "random"
 
 # Job params and per-line overrides that map onto DecodeConfig fields.
 CONFIG_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "top_k", "depth", "total_tokens")
 
 _DEFAULTS = DecodeConfig()
-
-
-class DraftUnavailableError(RuntimeError):
-    """A speculative mode was asked for but no draft head is available."""
 
 
 def describe_device(device: torch.device | str) -> str:
@@ -116,30 +113,12 @@ class SampleDecoder:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        head_dir: Path | None = None
+        source = draft_source(model, draft) if mode != "vanilla" else None
         if mode != "vanilla" and draft is None:
-            head_dir = shipped_draft(model)
-            if head_dir is None:
-                raise DraftUnavailableError(
-                    f"mode {mode} needs an EAGLE draft head and none ships for model "
-                    f"{model!r}: pass --draft DIR (train one with `eagle2-batch "
-                    "train-draft`), or --mode vanilla to decode without one"
-                )
             draft = f"shipped:{model}"  # the package path differs from host to host
-        elif mode != "vanilla" and draft != RANDOM_DRAFT:
-            head_dir = Path(draft)
         if target is None:
             target = load_target(model, dtype=dtype, device=device)
-        head = None
-        if head_dir is not None:
-            head = load_draft(head_dir, target.model.config)
-        elif mode != "vanilla":
-            log.warning(
-                "USING A RANDOM, UNTRAINED DRAFT HEAD for %s: outputs are correct but "
-                "nothing is sped up (tau ~ 1). This is for testing only: pass a trained head.",
-                model,
-            )
-            head = new_draft_head(target.model.config)
+        head = load_head(target, source) if mode != "vanilla" else None
         return cls(Engine(target, head), model=model, draft=draft, mode=mode, batch_size=batch_size)
 
     def config_for(self, request: Request, job_params: Mapping[str, Any]) -> dict[str, Any]:

@@ -111,7 +111,7 @@ def _check_served_draft(target: Target) -> None:
     A corrupt head, or one trained for another model, would otherwise fail every shard
     this worker takes; refusing to start leaves the shards queued for a healthy worker.
     """
-    from workers.decoding import RANDOM_DRAFT
+    from eagle2_core.registry import RANDOM_DRAFT
 
     draft = os.environ.get(WORKER_DRAFT_ENV)
     if not draft or draft == RANDOM_DRAFT:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle2_core.registry import DEFAULT_MODEL, HEADS_DIR, shipped_draft
+import pytest
+
+from eagle2_core.registry import (
+    DEFAULT_MODEL,
+    HEADS_DIR,
+    RANDOM_DRAFT,
+    DraftUnavailableError,
+    draft_source,
+    shipped_draft,
+)
 
 
 def test_the_default_alias_ships_a_head() -> None:
@@ -18,3 +27,11 @@ def test_a_model_folder_is_never_taken_for_a_shipped_head(tmp_path: Path) -> Non
     (model / "config.json").write_text("{}")  # a model folder has a config.json too
     assert shipped_draft(str(model)) is None
     assert shipped_draft("no-such-alias") is None
+
+
+def test_draft_source_names_the_head_or_says_how_to_get_one(tmp_path: Path) -> None:
+    assert draft_source(DEFAULT_MODEL, None) == HEADS_DIR / DEFAULT_MODEL
+    assert draft_source("anything", str(tmp_path)) == tmp_path
+    assert draft_source("anything", RANDOM_DRAFT) is None
+    with pytest.raises(DraftUnavailableError, match="--draft DIR.*--mode vanilla"):
+        draft_source(str(tmp_path), None)

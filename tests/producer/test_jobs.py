@@ -255,7 +255,7 @@ def test_failure_part_way_deletes_the_job(
 
 def test_spec_checks(tmp_path: Path) -> None:
     head = save_draft(new_draft_head(tiny_target().model.config), tmp_path / "head")
-    with pytest.raises(JobError, match="none ships for model"):
+    with pytest.raises(JobError, match="no EAGLE draft head ships for model"):
         make_spec(model="no-such-alias", draft=None, mode="eagle2", shard_size=10)
     with pytest.raises(JobError, match="total_tokens"):
         make_spec(model="m", draft=None, mode="vanilla", shard_size=10, total_tokens=0)
