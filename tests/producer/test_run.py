@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -47,6 +49,18 @@ def run_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE2_")}
     env["OMP_NUM_THREADS"] = "1"  # tiny models: 2 threads spin-wait on a busy machine
     return env
+
+
+def stored_samples(database_file: Path) -> int | str:
+    """Rows in `samples`, read on a connection of its own (nothing pooled in this process);
+    the error's text while `run` has not created the file or the table yet."""
+    if not database_file.exists():
+        return "no file"  # connecting first would create the file `run` sets up
+    try:
+        with closing(sqlite3.connect(database_file, timeout=10)) as conn:
+            return conn.execute("SELECT count(*) FROM samples").fetchone()[0]
+    except sqlite3.Error as exc:
+        return str(exc)
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -151,18 +165,13 @@ def test_interrupted_run_resumes_where_it_stopped(tiny: tuple[Path, Path], tmp_p
     engine = db.make_engine(f"sqlite:///{database_file}")
     try:
         deadline = time.monotonic() + 300
-        stored = 0
-        while stored < 5:  # the first shard (5 samples, written together) is stored
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline
+        polls: list[int | str] = []
+        # Until the first shard (5 samples, written together) is stored.
+        while not (polls and isinstance(polls[-1], int) and polls[-1] >= 5):
+            assert process.poll() is None, (polls[-20:], process.communicate()[1][-2000:])
+            assert time.monotonic() < deadline, polls[-20:]
             time.sleep(0.1)
-            if not database_file.exists():
-                continue  # connecting first would create the file `run` sets up
-            try:
-                with engine.connect() as conn:
-                    stored = conn.execute(select(func.count()).select_from(db.samples_t)).scalar()
-            except Exception:  # the schema is not there yet
-                stored = 0
+            polls.append(stored_samples(database_file))
         process.send_signal(signal.SIGINT)
         stdout, stderr = process.communicate(timeout=120)
         assert process.returncode == 130, stderr
