@@ -123,8 +123,7 @@ def _decode(engine: Engine, decoder: Any, job_id: str, out: Path) -> None:
 @click.option(
     "--batch-size",
     type=click.IntRange(1),
-    help="Sequences decoded at once (continuous batching; outputs do not change). "
-    "Default: 16 on a GPU, 4 on a CPU.",
+    help="Sequences decoded at once (continuous batching; outputs do not change). Default: 16.",
 )
 @click.option(
     "--new-job",

@@ -46,7 +46,7 @@ from workers.launcher import (
     "--batch-size",
     type=click.IntRange(1),
     default=None,
-    help="Samples each process decodes at once (default: 16 on a GPU, 4 on a CPU).",
+    help="Samples each process decodes at once (default: 16).",
 )
 @click.option(
     "--hostname",

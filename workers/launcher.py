@@ -36,9 +36,9 @@ How `eagle2-batch worker` uses a host:
 - Each process holds one shard at a time (prefetch 1, late acknowledgement): a long shard
   never keeps another shard waiting behind it in a busy worker, and a shard whose worker
   died is handed out again (after the visibility timeout, EAGLE2_VISIBILITY_TIMEOUT).
-- Within a process, --batch-size samples of the shard are decoded at once (default 16
-  on a GPU, 4 on a CPU): one target forward verifies every sequence's draft tree, and a
-  finished sequence's place goes to the shard's next sample. Outputs do not depend on it.
+- Within a process, --batch-size samples of the shard are decoded at once (default 16):
+  one target forward verifies every sequence's draft tree, and a finished sequence's
+  place goes to the shard's next sample. Outputs do not depend on it.
 - CPU workers split the cores between them (OMP_NUM_THREADS = cores / N unless set).
 - SIGTERM or Ctrl-C: every process finishes its current shard, then exits; a second
   Ctrl-C stops at once (the unfinished shard is redelivered; stored samples are kept).

@@ -197,7 +197,9 @@ class FaultCluster(Cluster):
         log = self.root / f"{host}-{len(self.logs)}.log"
         self.logs.append(log)
         argv = [EAGLE2_BATCH, "worker", "--cpu", "1", "--model", str(self.model)]
-        argv += ["--hostname", host, *extra]
+        # 4 at once, so a 12-sample shard stores its samples over several flushes (the
+        # faults land between them); `extra` may say otherwise (the last value wins).
+        argv += ["--hostname", host, "--batch-size", "4", *extra]
         with open(log, "wb") as fh:
             proc = subprocess.Popen(
                 argv, env=self.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
