@@ -22,7 +22,7 @@ from eagle2_core.draft import DraftHead, load_draft, new_draft_head
 from eagle2_core.drafters import Drafter, EagleDrafter
 from eagle2_core.kv import BatchKV
 from eagle2_core.models import Target, forward, load_target
-from eagle2_core.registry import draft_source, encode_chat, shipped_draft
+from eagle2_core.registry import DraftUnavailableError, draft_source, encode_chat
 from eagle2_core.tree import DraftTree, root_only
 from eagle2_core.verify import choose_token, greedy_accept, sample_accept
 
@@ -437,8 +437,11 @@ def load_engine(
 ) -> Engine:
     """Target + draft by name (see draft_source); without needs_draft a model with no
     shipped head loads without one."""
-    if not needs_draft and draft is None and shipped_draft(model) is None:
+    try:
+        source = draft_source(model, draft)
+    except DraftUnavailableError:
+        if needs_draft:
+            raise
         return Engine(load_target(model, dtype=dtype, device=device))
-    source = draft_source(model, draft)
     target = load_target(model, dtype=dtype, device=device)
     return Engine(target, load_head(target, source))
