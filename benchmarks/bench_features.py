@@ -18,6 +18,7 @@ from eagle2_core.registry import encode_chat
 from eagle2_core.train.data import (
     FEATURE_BATCH_TOKENS,
     Conversation,
+    batched_features,
     conversation_features,
     length_batches,
 )
@@ -48,13 +49,10 @@ def main() -> None:
     one_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    groups = length_batches(lengths, FEATURE_BATCH_TOKENS)
-    batched = {}
-    for group in groups:
-        sequences = conversation_features(target, [conversations[i] for i in group])
-        batched.update(zip(group, sequences, strict=True))
+    batched = batched_features(target, conversations)
     batched_s = time.perf_counter() - start
 
+    groups = length_batches(lengths, FEATURE_BATCH_TOKENS)
     padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
     diff = max(
         (batched[i].features.float() - alone[i].features.float()).abs().max().item()

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +132,23 @@ def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
+def batched_features(
+    target: Target,
+    conversations: Sequence[Conversation],
+    batch_tokens: int = FEATURE_BATCH_TOKENS,
+    on_batch: Callable[[int], object] | None = None,
+) -> list[FeatureSequence]:
+    """Features of every conversation, in order, from forwards over length batches of at
+    most batch_tokens padded tokens; on_batch(n) after each forward of n conversations."""
+    sequences: dict[int, FeatureSequence] = {}
+    for group in length_batches([len(c.ids) for c in conversations], batch_tokens):
+        batch = conversation_features(target, [conversations[i] for i in group])
+        sequences.update(zip(group, batch, strict=True))
+        if on_batch is not None:
+            on_batch(len(group))
+    return [sequences[i] for i in range(len(conversations))]
+
+
 def _digest(conversations: Sequence[Conversation], model_name: str) -> str:
     """Identifies a shard's content, so a stale shard (other answers, other model) is redone."""
     h = hashlib.sha256(model_name.encode())
@@ -179,13 +196,7 @@ def write_feature_shards(
         disable=not progress,
     )
     for path, chunk in todo:
-        sequences: list[FeatureSequence | None] = [None] * len(chunk)
-        for group in length_batches([len(c.ids) for c in chunk], batch_tokens):
-            for index, sequence in zip(
-                group, conversation_features(target, [chunk[i] for i in group]), strict=True
-            ):
-                sequences[index] = sequence
-            bar.update(len(group))
+        sequences = batched_features(target, chunk, batch_tokens, on_batch=bar.update)
         _save_shard(path, sequences, _digest(chunk, target.name), [c.id for c in chunk])
     bar.close()
     for stale in set(directory.glob(SHARD_GLOB)) - set(paths):
