@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 MODES = ("eagle2", "eagle1", "vanilla")
 
+# Sequences decoded at once unless told otherwise. Measured on the 2-core CPU (BENCHMARKS.md,
+# "Batched decoding"): EAGLE-2 gives 3.7 / 5.8 / 8.8 tok/s at B = 1 / 4 / 16, plain
+# batched generate 26 / 60 tok/s at B = 4 / 16; a GPU is further still from full at 16.
+DEFAULT_BATCH_SIZE = 16
+
 
 # EAGLE-1's default static tree (the reference's mc_sim_7b_63): each path lists the
 # rank of the child taken at every level below the root.

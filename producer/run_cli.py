@@ -21,6 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tqdm import tqdm
 
 import migrations
+from eagle2_core.config import DEFAULT_BATCH_SIZE
 from producer.jobs import JobSpec, input_fingerprint
 from producer.stats import STATS_COLUMNS, compute_stats, format_stats
 from producer.submit_cli import (
@@ -123,7 +124,8 @@ def _decode(engine: Engine, decoder: Any, job_id: str, out: Path) -> None:
 @click.option(
     "--batch-size",
     type=click.IntRange(1),
-    help="Sequences decoded at once (continuous batching; outputs do not change). Default: 16.",
+    help="Sequences decoded at once (continuous batching; outputs do not change). "
+    f"Default: {DEFAULT_BATCH_SIZE}.",
 )
 @click.option(
     "--new-job",

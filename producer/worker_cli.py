@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from eagle2_core.config import DEFAULT_BATCH_SIZE
 from workers.launcher import (
     CONCURRENCY_NOTE,
     LaunchError,
@@ -46,7 +47,7 @@ from workers.launcher import (
     "--batch-size",
     type=click.IntRange(1),
     default=None,
-    help="Samples each process decodes at once (default: 16).",
+    help=f"Samples each process decodes at once (default: {DEFAULT_BATCH_SIZE}).",
 )
 @click.option(
     "--hostname",

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from eagle2_core.config import MODES, DecodeConfig
+from eagle2_core.config import DEFAULT_BATCH_SIZE, MODES, DecodeConfig
 from eagle2_core.engine import (
     BatchDecoder,
     Engine,
@@ -44,12 +44,6 @@ def describe_device(device: torch.device | str) -> str:
         return device.type
     index = device.index if device.index is not None else torch.cuda.current_device()
     return f"cuda:{index} {torch.cuda.get_device_name(index)}"
-
-
-# Sequences decoded at once unless told otherwise. Measured on the 2-core CPU (BENCHMARKS.md,
-# "Batched decoding"): EAGLE-2 gives 3.7 / 5.8 / 8.8 tok/s at B = 1 / 4 / 16, plain
-# batched generate 26 / 60 tok/s at B = 4 / 16; a GPU is further still from full at 16.
-DEFAULT_BATCH_SIZE = 16
 
 
 def _sum_lists(lists: Sequence[Sequence[int]]) -> list[int]:

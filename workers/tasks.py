@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 WORKER_MODEL_ENV = "EAGLE2_WORKER_MODEL"  # the one model this process serves
 WORKER_DRAFT_ENV = "EAGLE2_WORKER_DRAFT"  # this host's draft head, instead of the job's
 WORKER_DEVICE_ENV = "EAGLE2_WORKER_DEVICE"  # 'cuda' or 'cpu'
-WORKER_BATCH_ENV = "EAGLE2_WORKER_BATCH_SIZE"  # sequences decoded at once (unset: the default, 16)
+WORKER_BATCH_ENV = "EAGLE2_WORKER_BATCH_SIZE"  # sequences at once (unset: DEFAULT_BATCH_SIZE)
 
 
 class WrongModelError(RuntimeError):
