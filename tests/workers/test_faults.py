@@ -581,10 +581,11 @@ def test_visibility_timeout_shorter_than_a_shard(make_cluster: Callable[..., Fau
     """A 2 s visibility timeout and a shard of several seconds: Redis hands the running
     shard to the idle worker too, so both decode it at once. Rows stay unique."""
     c = make_cluster(visibility_timeout=2)
-    # One sample at a time: a batched shard can finish inside the 2 s.
+    # One sample at a time and a shard of 3 x 12 samples: it must outlast the 2 s timeout,
+    # the 0.5 s restore sweep and the other worker's start on it (12 took ~4 s: too close).
     c.launch_all("vt-a", "vt-b", extra=("--batch-size", "1"))
-    n = SHARD_SIZE
-    job_id = c.submit(n)
+    n = 3 * SHARD_SIZE
+    job_id = c.submit(n, shard_size=n)
     t0 = time.monotonic()
     c.wait(finished(c.engine, job_id), 300, "job with redeliveries")
     # Redeliveries can go on briefly after the job completed: let them settle.
@@ -604,7 +605,7 @@ def test_visibility_timeout_shorter_than_a_shard(make_cluster: Callable[..., Fau
     record(
         "visibility timeout < shard (forced redelivery)",
         samples=n,
-        faults="visibility timeout 2 s, one shard of ~5 s on two idle workers",
+        faults="visibility timeout 2 s, one 36-sample shard on two idle workers",
         runs_of_the_shard=len(runs),
         decoded=decoded,
         decoded_twice=decoded - n,
