@@ -117,6 +117,14 @@ class DraftUnavailableError(RuntimeError):
     """A speculative mode was asked for but no draft head is available."""
 
 
+def draft_label(model: str, draft: str | None, mode: str) -> str | None:
+    """The head's name in rows and reports: `draft` as given, `shipped:MODEL` for the
+    package's head (its path differs from host to host), None for vanilla decoding."""
+    if mode == "vanilla":
+        return None
+    return draft if draft is not None else f"shipped:{model}"
+
+
 def draft_source(model: str, draft: str | None) -> Path | None:
     """The folder of the head `draft` names, checked before any model loads.
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from eagle2_core.registry import draft_label
 from producer.db_cli import resolve_url, url_option
 from workers.db import get_job, iter_samples, latest_job_id, make_engine
 
@@ -160,7 +161,7 @@ def format_stats(job: Mapping[str, Any], stats: Mapping[str, Any], by: str | Non
     overall = stats["overall"]
     lines = [
         f"job {job['id']}  state={job['state']}  model={job['model']}  "
-        f"draft={job['draft'] or '-'}  mode={job['mode']}",
+        f"draft={draft_label(job['model'], job['draft'], job['mode']) or '-'}  mode={job['mode']}",
         f"expected {job['n_expected']}  stored {overall['samples']}  rejected lines "
         f"{job['n_rejected']}",
         "",

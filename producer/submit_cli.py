@@ -27,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tqdm import tqdm
 
 from eagle2_core.config import MODES, DecodeConfig
-from eagle2_core.registry import DEFAULT_MODEL
+from eagle2_core.registry import DEFAULT_MODEL, draft_label
 from producer.inputs import InputFileError
 from producer.jobs import (
     JobError,
@@ -557,7 +557,8 @@ def format_status(status: dict[str, Any]) -> str:
     tokens = "-" if status["tokens_per_s"] is None else f"{status['tokens_per_s']:.1f}"
     lines = [
         f"job {status['job_id']}  {status['state']}  model={status['model']}  "
-        f"draft={status['draft'] or '-'}  mode={status['mode']}",
+        f"draft={draft_label(status['model'], status['draft'], status['mode']) or '-'}  "
+        f"mode={status['mode']}",
         f"input {status['input']}",
         f"samples: expected {status['expected']}  done {status['done']} "
         f"(ok {status['ok']}, failed {status['failed']})  remaining {status['remaining']}  "

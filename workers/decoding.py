@@ -26,7 +26,7 @@ from eagle2_core.engine import (
     seeded_generator,
 )
 from eagle2_core.models import Target, load_target
-from eagle2_core.registry import DraftUnavailableError, draft_source, encode_chat
+from eagle2_core.registry import DraftUnavailableError, draft_label, draft_source, encode_chat
 from producer.validate import Request
 
 log = logging.getLogger(__name__)
@@ -108,12 +108,11 @@ class SampleDecoder:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         source = draft_source(model, draft) if mode != "vanilla" else None
-        if mode != "vanilla" and draft is None:
-            draft = f"shipped:{model}"  # the package path differs from host to host
         if target is None:
             target = load_target(model, dtype=dtype, device=device)
         head = load_head(target, source) if mode != "vanilla" else None
-        return cls(Engine(target, head), model=model, draft=draft, mode=mode, batch_size=batch_size)
+        label = draft_label(model, draft, mode)
+        return cls(Engine(target, head), model=model, draft=label, mode=mode, batch_size=batch_size)
 
     def config_for(self, request: Request, job_params: Mapping[str, Any]) -> dict[str, Any]:
         """The decode settings of one sample: defaults < job params < per-line overrides."""

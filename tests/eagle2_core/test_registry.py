@@ -11,6 +11,7 @@ from eagle2_core.registry import (
     HEADS_DIR,
     RANDOM_DRAFT,
     DraftUnavailableError,
+    draft_label,
     draft_source,
     shipped_draft,
 )
@@ -35,3 +36,9 @@ def test_draft_source_names_the_head_or_says_how_to_get_one(tmp_path: Path) -> N
     assert draft_source("anything", RANDOM_DRAFT) is None
     with pytest.raises(DraftUnavailableError, match="--draft DIR.*--mode vanilla"):
         draft_source(str(tmp_path), None)
+
+
+def test_draft_label_names_the_shipped_head_and_nothing_for_vanilla() -> None:
+    assert draft_label(DEFAULT_MODEL, None, "eagle2") == f"shipped:{DEFAULT_MODEL}"
+    assert draft_label(DEFAULT_MODEL, "/heads/mine", "eagle1") == "/heads/mine"
+    assert draft_label(DEFAULT_MODEL, None, "vanilla") is None

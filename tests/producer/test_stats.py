@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from producer.cli import main
-from producer.stats import compute_stats, percentile
+from producer.stats import compute_stats, format_stats, percentile
 from workers import db
 
 
@@ -71,6 +71,17 @@ def test_stats_match_an_independent_computation(engine, make_job, fake_sample, f
     cycles = sum(hist)
     assert sum(k * c for k, c in enumerate(hist)) + cycles == stats["overall"]["completion_tokens"]
     assert stats["overall"]["depth_attempts"][0] == cycles
+
+
+@pytest.mark.parametrize(
+    ("draft", "mode", "shown"),
+    [(None, "eagle2", "draft=shipped:smollm2-135m"), (None, "vanilla", "draft=-"),
+     ("/heads/mine", "eagle1", "draft=/heads/mine")],
+)  # fmt: skip
+def test_stats_header_names_the_head_the_rows_name(draft, mode, shown):
+    job = {"id": "j", "state": "done", "model": "smollm2-135m", "draft": draft, "mode": mode,
+           "n_expected": 0, "n_rejected": 0}  # fmt: skip
+    assert shown in format_stats(job, compute_stats([]), by=None).splitlines()[0]
 
 
 def test_stats_of_only_failed_samples_has_no_rates():
