@@ -1,13 +1,15 @@
 """Side-by-side speed of decoding modes on the same prompts, in one run.
 
 `vanilla` is transformers' own `generate` (the baseline users compare with);
-`eagle1` and `eagle2` run through the Engine. For every question all modes run back
-to back, so load on a shared machine hits them alike. Speedup is the mean of
-per-question tokens/s of a mode over the same mean for vanilla (as in the EAGLE
-papers); tau is tokens per target verify pass.
+`engine-vanilla` is the engine's own plain decoding (`run --mode vanilla`), `eagle1`
+and `eagle2` its speculative modes. For every question all modes run back to back, so
+load on a shared machine hits them alike. Speedup is the mean of per-question tokens/s
+of a mode over the same mean for vanilla (as in the EAGLE papers), and, where
+engine-vanilla ran, over that too; tau is tokens per target verify pass.
 
 `run_batch_bench` measures what a worker lives on instead: tokens/s of a whole shard
-for plain batched `generate`, EAGLE-2 one sequence at a time, and batched EAGLE-2.
+for batched `generate`, the engine's batched plain decoding, EAGLE-2 one sequence at a
+time, and batched EAGLE-2.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from eagle2_core.engine import Engine
 from eagle2_core.models import Target
 from eagle2_core.registry import encode_chat
 
+ENGINE_VANILLA = "engine-vanilla"  # the engine's own decoding without a draft
+BENCH_MODES = ("vanilla", ENGINE_VANILLA, "eagle1", "eagle2")
+
 
 @dataclass
 class ModeResult:
@@ -34,6 +39,7 @@ class ModeResult:
     seconds: float = 0.0
     round_tokens: int = 0
     cycles: int = 0
+    tree_nodes: int = 0
     per_question_tps: list[float] = field(default_factory=list)
     outputs: list[list[list[int]]] = field(default_factory=list)  # [question][turn] token ids
 
@@ -45,17 +51,26 @@ class ModeResult:
     def mean_tps(self) -> float:
         return sum(self.per_question_tps) / len(self.per_question_tps) if self.questions else 0.0
 
-    def as_dict(self, baseline: ModeResult | None) -> dict:
-        speedup = self.mean_tps / baseline.mean_tps if baseline and baseline.mean_tps else None
-        return {
+    def as_dict(self, baseline: ModeResult | None, plain: ModeResult | None = None) -> dict:
+        row = {
             "mode": self.mode,
             "questions": self.questions,
             "new_tokens": self.tokens,
             "seconds": round(self.seconds, 3),
             "tau": round(self.tau, 3) if self.tau is not None else None,
+            "tree_size": round(self.tree_nodes / self.cycles, 2) if self.cycles else None,
             "tokens_per_s": round(self.mean_tps, 2),
-            "speedup": round(speedup, 3) if speedup is not None else None,
+            "speedup": _ratio(self, baseline),
         }
+        if plain is not None:
+            row["vs_engine_vanilla"] = _ratio(self, plain)
+        return row
+
+
+def _ratio(result: ModeResult, baseline: ModeResult | None) -> float | None:
+    if baseline is None or not baseline.mean_tps:
+        return None
+    return round(result.mean_tps / baseline.mean_tps, 3)
 
 
 def hf_generate(target: Target, prompt_ids: list[int], config: DecodeConfig) -> list[int]:
@@ -102,6 +117,8 @@ def run_bench(
     """Decode every question with every mode; returns per-mode totals."""
     results = {mode: ModeResult(mode) for mode in modes}
     target = engine.target
+    if "eagle2" in modes and engine.lean_head is not None:
+        engine.costs(1)  # measured (on a new machine) before any clock runs
     warm = encode_chat(target.tokenizer, [{"role": "user", "content": "Hi"}])
     hf_generate(target, warm, DecodeConfig(max_new_tokens=4))  # first-call overheads
     for index, (messages, followups) in enumerate(questions):
@@ -111,11 +128,13 @@ def run_bench(
             if mode == "vanilla":
                 outputs = _vanilla_chat(target, messages, followups, config)
             else:
-                mode_config = DecodeConfig(**{**config.__dict__, "mode": mode})
+                engine_mode = "vanilla" if mode == ENGINE_VANILLA else mode
+                mode_config = DecodeConfig(**{**config.__dict__, "mode": engine_mode})
                 turns = engine.chat(messages, followups, mode_config)
                 outputs = [t.token_ids for t in turns]
                 result.round_tokens += sum(t.stats.round_tokens for t in turns)
                 result.cycles += sum(t.stats.n_cycles for t in turns)
+                result.tree_nodes += sum(t.stats.tree_nodes for t in turns)
             elapsed = time.perf_counter() - start
             tokens = sum(len(o) for o in outputs)
             result.questions += 1
@@ -144,6 +163,7 @@ class ShardResult:
     seconds: float
     round_tokens: int = 0
     cycles: int = 0
+    tree_nodes: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     outputs: dict[int, list[int]] = field(default_factory=dict)
@@ -157,6 +177,7 @@ class ShardResult:
             "seconds": round(self.seconds, 2),
             "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
             "tau": round(self.round_tokens / self.cycles, 3) if self.cycles else None,
+            "tree_size": round(self.tree_nodes / self.cycles, 2) if self.cycles else None,
             "draft_share": round(self.draft_ms / busy, 3) if busy else None,
         }
 
@@ -196,6 +217,7 @@ def _engine_shard(
         result.tokens += generation.completion_tokens
         result.round_tokens += stats.round_tokens
         result.cycles += stats.n_cycles
+        result.tree_nodes += stats.tree_nodes
         result.draft_ms += stats.draft_ms
         result.verify_ms += stats.verify_ms
     result.seconds = time.perf_counter() - start
@@ -209,10 +231,13 @@ def run_batch_bench(
     batch_sizes: list[int],
     on_result: Callable[[ShardResult], None] | None = None,
 ) -> list[ShardResult]:
-    """(a) HF batched generate at B, (c) batched EAGLE-2 at B, for each B; (b) EAGLE-2 at
-    B=1 once; all on the same prompts in one run. Batched outputs are checked against
-    B=1 by the caller (`outputs`)."""
+    """(a) HF batched generate at B, (d) the engine's batched plain decoding and (c)
+    batched EAGLE-2 (config.mode) at B, for each B; (b) EAGLE-2 at B=1 once; all on the
+    same prompts in one run. Batched outputs are checked against B=1 by the caller
+    (`outputs`)."""
     target = engine.target
+    if config.mode == "eagle2" and engine.lean_head is not None:
+        engine.costs(max(batch_sizes))  # measured (on a new machine) before any clock runs
     hf_generate_batch(target, prompts[:2], 4)  # first-call overheads
     results = []
 
@@ -229,5 +254,7 @@ def run_batch_bench(
                 map(len, hf_generate_batch(target, prompts[i : i + b], config.max_new_tokens))
             )
         record(ShardResult("hf generate", b, tokens, time.perf_counter() - start))
+        plain = DecodeConfig(**{**config.__dict__, "mode": "vanilla"})
+        record(_engine_shard(engine, prompts, plain, b, f"{ENGINE_VANILLA} batched"))
         record(_engine_shard(engine, prompts, config, b, f"{config.mode} batched"))
     return results

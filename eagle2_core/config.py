@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("eagle2", "eagle1", "vanilla")
+# Tokens a draft head proposes from (vocab.py): of SmolLM2's 49,152, the 8,192 most frequent
+# in its answers give the same tau as all of them (BENCHMARKS.md, "Draft vocabulary").
+DRAFT_VOCAB_SIZE = 8192
+AUTO = "auto"  # total_tokens: size every round's tree by this device's costs (plan.py)
 
 # Sequences decoded at once unless told otherwise. Measured on the 2-core CPU (BENCHMARKS.md,
 # "Batched decoding"): EAGLE-2 gives 3.7 / 5.8 / 8.8 tok/s at B = 1 / 4 / 16, plain
@@ -58,7 +62,8 @@ class Sampling:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """What to generate and how; tree parameters as in the EAGLE-2 reference."""
+    """What to generate and how. top_k and depth bound the EAGLE-2 tree (the reference's
+    values); total_tokens fixes its size, or with AUTO lets the planner size it."""
 
     mode: str = "eagle2"
     max_new_tokens: int = 256
@@ -67,7 +72,7 @@ class DecodeConfig:
     seed: int | None = None
     top_k: int = 10
     depth: int = 5
-    total_tokens: int = 60
+    total_tokens: int | str = AUTO  # nodes verified per round (EAGLE-2), or AUTO
     static_tree: tuple[tuple[int, ...], ...] = DEFAULT_STATIC_TREE
 
     def __post_init__(self) -> None:
@@ -77,8 +82,14 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
-        if self.total_tokens < 1:
-            raise ValueError(f"total_tokens must be >= 1, got {self.total_tokens}")
+        if self.total_tokens != AUTO and (
+            isinstance(self.total_tokens, bool)
+            or not isinstance(self.total_tokens, int)
+            or self.total_tokens < 1
+        ):
+            raise ValueError(
+                f"total_tokens must be {AUTO!r} or an integer >= 1, got {self.total_tokens!r}"
+            )
 
     @property
     def sampling(self) -> Sampling:

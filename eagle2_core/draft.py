@@ -31,17 +31,11 @@ class DraftCheckpointError(ValueError):
 
 @dataclass
 class DraftCache:
-    """Keys and values of the draft layer, [B, kv_heads, T, head_dim]."""
+    """Keys and values of the draft layer, [B, kv_heads, T, head_dim] (training and the
+    tests' reference drafter; decoding runs lean_head.py over a BatchKV)."""
 
     keys: torch.Tensor
     values: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[2]
-
-    def crop(self, length: int) -> DraftCache:
-        return DraftCache(self.keys[:, :, :length], self.values[:, :, :length])
 
 
 class DraftAttention(nn.Module):

@@ -1,36 +1,44 @@
-"""The target's KV cache for a batch of sequences of different lengths.
+"""The KV cache of a batch of sequences of different lengths, for every layer at once.
 
-One row per sequence in a single transformers `DynamicCache`, so one forward serves
-the whole batch. Rows differ in length and accept different numbers of tree nodes per
-round, so a row's slots need not be contiguous: `valid[b, s]` says whether slot s of
-row b holds one of its committed tokens. Attention masks come from `valid`, positions
-are passed explicitly, so a hole costs a little attention work and nothing else.
+Keys and values live in two preallocated tensors [layers, rows, kv_heads, slots, head_dim]
+that grow by doubling, so a forward writes its new entries in place (no per-step
+concatenation) and one gather moves the accepted entries of every layer. Rows differ in
+length and accept different numbers of tree nodes per round, so a row's slots need not be
+contiguous: `valid[b, s]` says whether slot s of row b holds one of its committed tokens.
+Attention masks come from `valid`, positions are passed explicitly, so a hole costs a
+little attention work and nothing else. Active rows are always 0..rows-1: a finished row's
+place is taken by the last row (one row copied, not the whole batch).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
-
-from eagle2_core.tree import DraftTree
 
 # Compact (move every row's tokens to the front) once the longest row fills less than this
 # share of the slots: holes cost attention work, a compaction costs one copy of the cache.
 MIN_FILL = 0.5
+_GROW = 64  # slot capacity is a multiple of this
 
 
 class BatchKV:
     """Rows of committed KV entries plus the validity mask that makes holes invisible."""
 
-    def __init__(self, cache: DynamicCache, length: int):
-        """Start from one sequence's prefilled cache of `length` tokens."""
-        self.cache = cache
-        self.valid = torch.ones(1, length, dtype=torch.bool, device=self._device)
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (layers, 0, kv_heads, 0, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
 
     @property
-    def _device(self) -> torch.device:
-        return self.cache.layers[0].keys.device
+    def device(self) -> torch.device:
+        return self.keys.device
 
     @property
     def rows(self) -> int:
@@ -40,97 +48,113 @@ class BatchKV:
     def slots(self) -> int:
         return self.valid.shape[1]
 
-    def add(self, cache: DynamicCache, length: int) -> None:
-        """Append a prefilled single-sequence cache as the last row."""
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Committed tokens per row [rows]."""
+        return self.valid.sum(dim=1)
+
+    def layer_views(self, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given rows (all active ones by default), as views that a
+        forward writes into."""
+        rows = rows if rows is not None else slice(0, self.rows)
+        return self.keys[:, rows], self.values[:, rows]
+
+    def _reserve(self, rows: int, slots: int) -> None:
+        """Make room for `rows` rows of `slots` slots (doubling), keeping what is stored."""
+        _, row_cap, heads, slot_cap, dim = self.keys.shape
+        if rows <= row_cap and slots <= slot_cap:
+            return
+        new_rows = row_cap if rows <= row_cap else max(rows, 2 * row_cap)
+        new_slots = slot_cap if slots <= slot_cap else max(slots, 2 * slot_cap)
+        new_slots = -(-new_slots // _GROW) * _GROW
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            grown = old.new_zeros(old.shape[0], new_rows, heads, new_slots, dim)
+            grown[:, : self.rows, :, : self.slots] = old[:, : self.rows, :, : self.slots]
+            setattr(self, name, grown)
+
+    def reserve_new(self, n: int) -> int:
+        """Room for n new slots per row after the current ones; returns where they start."""
+        self._reserve(self.rows, self.slots + n)
+        return self.slots
+
+    def add_row(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new last row whose first `length` slots the caller fills (a prefill): returns
+        that row's key and value views [layers, 1, kv_heads, slots, head_dim]."""
         slots = max(self.slots, length)
-        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([_pad(mine.keys, slots), _pad(theirs.keys, slots)])
-            mine.values = torch.cat([_pad(mine.values, slots), _pad(theirs.values, slots)])
-        row = torch.zeros(1, slots, dtype=torch.bool, device=self._device)
+        self._reserve(self.rows + 1, slots)
+        row = torch.zeros(1, slots, dtype=torch.bool, device=self.device)
         row[0, :length] = True
-        self.valid = torch.cat([F.pad(self.valid, (0, slots - self.slots)), row])
+        grown = torch.zeros(self.rows, slots, dtype=torch.bool, device=self.device)
+        grown[:, : self.slots] = self.valid
+        self.valid = torch.cat([grown, row])
+        return self.layer_views(slice(self.rows - 1, self.rows))
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not listed (finished sequences), then trailing empty slots."""
-        index = torch.tensor(rows, dtype=torch.long, device=self._device)
-        self.valid = self.valid[index]
-        used = int(self.valid.any(dim=0).nonzero().max()) + 1 if self.valid.any() else 0
-        self.valid = self.valid[:, :used]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, :used]
-            layer.values = layer.values[index, :, :used]
+    def remove_rows(self, rows: list[int]) -> list[int]:
+        """Drop the listed rows; rows from the end move into their places. Returns the new
+        order: new row i is old row order[i]."""
+        gone = set(rows)
+        keep = self.rows - len(gone)
+        holes = [r for r in sorted(gone) if r < keep]
+        movers = [r for r in range(keep, self.rows) if r not in gone]
+        order = list(range(keep))
+        for hole, mover in zip(holes, movers, strict=True):
+            self.keys[:, hole] = self.keys[:, mover]
+            self.values[:, hole] = self.values[:, mover]
+            order[hole] = mover
+        self.valid = self.valid[torch.tensor(order, dtype=torch.long, device=self.device)]
+        self._trim()
+        self._maybe_compact()
+        return order
+
+    def tree_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
+        """Bool mask [B, 1, N, slots + N] for N new tokens per row that see the row's valid
+        slots and, among themselves, what ancestors [B, N, N] allows (True = visible)."""
+        b, n, _ = ancestors.shape
+        context = self.valid[:, None, :].expand(b, n, self.slots)
+        return torch.cat([context, ancestors.to(self.device)], dim=2)[:, None]
+
+    def commit(self, start: int, index: torch.Tensor, lengths: torch.Tensor) -> None:
+        """After a forward wrote new entries at slots start.., keep each row's first
+        lengths[b] of the new entries listed in index [B, W] (offsets from start).
+
+        They move to the front of the new slots; the cache grows by W, and rows that keep
+        fewer get holes there.
+        """
+        width = index.shape[1]
+        index = index.to(self.device)
+        prefix = bool((index == torch.arange(width, device=self.device)).all())
+        if not prefix:
+            gather = index[None, :, None, :, None].expand(
+                self.keys.shape[0], self.rows, self.keys.shape[2], width, self.keys.shape[4]
+            )
+            for store in (self.keys, self.values):
+                rows = store[:, : self.rows]
+                rows[:, :, :, start : start + width] = rows[:, :, :, start:].gather(3, gather)
+        kept = torch.arange(width, device=self.device)[None] < lengths.to(self.device)[:, None]
+        self.valid = torch.cat([self.valid[:, :start], kept], dim=1)
         self._maybe_compact()
 
-    def tree_mask(self, trees: list[DraftTree], dtype: torch.dtype) -> torch.Tensor:
-        """Float mask [B, 1, N, slots + N]: each row's own tokens, then its tree's ancestors.
-
-        N is the largest tree; a shorter tree's padding queries see only themselves.
-        """
-        return self.new_tokens_mask([t.ancestor_mask for t in trees], dtype)
-
-    def new_tokens_mask(self, ancestors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Float mask [B, 1, N, slots + N] for n_b new tokens per row that see the row's
-        tokens and, among themselves, what ancestors[b] [n_b, n_b] allows."""
-        n = max(a.shape[0] for a in ancestors)
-        visible = torch.zeros(self.rows, n, self.slots + n, dtype=torch.bool)
-        visible[:, :, : self.slots] = self.valid[:, None, :].cpu()
-        for row, allowed in enumerate(ancestors):
-            size = allowed.shape[0]
-            visible[row, :, self.slots :] = torch.eye(n, dtype=torch.bool)
-            visible[row, :size, self.slots : self.slots + size] = allowed
-            visible[row, size:, : self.slots] = False
-        mask = torch.zeros(visible.shape, dtype=dtype)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)
-        return mask[:, None].to(self._device)
-
-    def commit(self, accepted: list[list[int]]) -> None:
-        """After a forward appended N tree slots per row, keep each row's accepted nodes.
-
-        Accepted entries move to the front of the new slots; the cache grows by the
-        longest accepted path, and shorter rows get holes there.
-        """
-        start = self.slots
-        width = max(len(a) for a in accepted)
-        ok = torch.zeros(self.rows, width, dtype=torch.bool)
-        index = torch.zeros(self.rows, width, dtype=torch.long)
-        for row, nodes in enumerate(accepted):
-            ok[row, : len(nodes)] = True
-            index[row, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
-        prefix = all(nodes == list(range(len(nodes))) for nodes in accepted)
-        index = index.to(self._device)
-        for layer in self.cache.layers:
-            layer.keys = _keep(layer.keys, start, width, index, prefix)
-            layer.values = _keep(layer.values, start, width, index, prefix)
-        self.valid = torch.cat([self.valid, ok.to(self._device)], dim=1)
-        self._maybe_compact()
+    def _trim(self) -> None:
+        """Drop trailing slots that no row uses."""
+        used = self.valid.any(dim=0)
+        last = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
+        self.valid = self.valid[:, :last]
 
     def _maybe_compact(self) -> None:
         """Compact when that at least halves the slots: the longest row bounds the gain."""
-        lengths = self.valid.sum(dim=1)
-        slots = int(lengths.max()) if self.rows else 0
-        if slots >= MIN_FILL * self.slots:
+        if not self.rows:
             return
-        # Stable sort puts each row's valid slots first, in their original order.
-        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :slots]
-        for layer in self.cache.layers:
-            layer.keys = _gather_slots(layer.keys, order)
-            layer.values = _gather_slots(layer.values, order)
-        self.valid = torch.arange(slots, device=self._device)[None] < lengths[:, None]
-
-
-def _pad(kv: torch.Tensor, slots: int) -> torch.Tensor:
-    return F.pad(kv, (0, 0, 0, slots - kv.shape[2]))
-
-
-def _gather_slots(kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """kv [B, H, S, D] -> [B, H, len(index[b]), D] taking slots index[b] of row b."""
-    b, h, _, d = kv.shape
-    return kv.gather(2, index[:, None, :, None].expand(b, h, index.shape[1], d))
-
-
-def _keep(
-    kv: torch.Tensor, start: int, width: int, index: torch.Tensor, prefix: bool
-) -> torch.Tensor:
-    if not prefix:
-        kv[:, :, start : start + width] = _gather_slots(kv[:, :, start:], index)
-    return kv[:, :, : start + width]
+        lengths = self.lengths
+        longest = int(lengths.max())
+        if longest >= MIN_FILL * self.slots:
+            return
+        # A stable sort puts each row's valid slots first, in their original order.
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :longest]
+        gather = order[None, :, None, :, None].expand(
+            self.keys.shape[0], self.rows, self.keys.shape[2], longest, self.keys.shape[4]
+        )
+        for store in (self.keys, self.values):
+            rows = store[:, : self.rows]
+            rows[:, :, :, :longest] = rows[:, :, :, : self.slots].gather(3, gather)
+        self.valid = torch.arange(longest, device=self.device)[None] < lengths[:, None]

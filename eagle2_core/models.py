@@ -1,8 +1,10 @@
 """Load a target model and tokenizer; run one forward over tokens on a KV cache.
 
-A target is any Hugging Face Llama-family causal LM (Llama, Mistral, Qwen2, ...),
-named by a built-in alias, a local directory, a GGUF file or a Hub id. Nothing is
-downloaded unless the caller allows it.
+A target is any Hugging Face Llama-family causal LM (Llama, Mistral, Qwen2), named by
+a built-in alias, a local directory, a GGUF file or a Hub id. Nothing is downloaded
+unless the caller allows it. Decoding runs the lean forward of llama.py over weights
+prepared once at load; the transformers model stays for `generate` (the oracle and the
+benchmarks' baseline) and for training.
 """
 
 from __future__ import annotations
@@ -10,13 +12,16 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from eagle2_core.kernels import Linear
+from eagle2_core.kv import BatchKV
+from eagle2_core.llama import LeanLlama
 from eagle2_core.registry import DEFAULT_MODEL, END_OF_TURN_TOKENS, ModelLoadError, resolve_model
 
 
@@ -29,6 +34,12 @@ class Target:
     name: str
     stop_ids: frozenset[int]
     max_context: int
+    lean: LeanLlama = field(init=False, repr=False)
+    head: Linear = field(init=False, repr=False)  # the lm_head, prepared
+
+    def __post_init__(self) -> None:
+        self.lean = LeanLlama.of(self.model)
+        self.head = Linear.of(self.model.get_output_embeddings())
 
     @property
     def device(self) -> torch.device:
@@ -47,10 +58,15 @@ class Target:
         return self.model.get_output_embeddings().weight.shape[0]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(ids)
+        return torch.nn.functional.embedding(ids, self.lean.embed)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden)
+        return self.head(hidden)
+
+    def kv(self) -> BatchKV:
+        """An empty KV cache for this model's layers."""
+        lean = self.lean
+        return BatchKV(len(lean.layers), lean.kv_heads, lean.head_dim, self.dtype, self.device)
 
 
 def dequantise_gguf(directory: Path, gguf_file: str, cached: Path) -> Path:
@@ -126,19 +142,9 @@ def target_from_model(model: PreTrainedModel, tokenizer, name: str) -> Target:
     )
 
 
-def forward(
-    target: Target,
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    cache: DynamicCache,
-    mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One target forward of ids [B, q] on the cache; returns the final-norm hidden states.
-
-    mask is a float 4-D mask [B, 1, q, cache_len + q] (0 visible, dtype-min hidden);
-    None means plain causal attention.
-    """
-    out = target.model.model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-    )
+def final_hidden_states(target: Target, ids: torch.Tensor) -> torch.Tensor:
+    """The final-norm hidden states [B, T, H] of whole sequences [B, T] under causal
+    attention, through transformers (training reads these as the head's features)."""
+    positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    out = target.model.model(input_ids=ids, position_ids=positions, use_cache=False)
     return out.last_hidden_state

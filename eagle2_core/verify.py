@@ -1,16 +1,29 @@
-"""Accept a path of a verified draft tree: greedy, or lossless sampling.
+"""Choose the target's own token at every tree node, and accept the matching path.
 
-Both return (accepted node ids starting with the root, bonus token). The bonus is
-the target's own next token after the last accepted node, so every round emits at
-least one token and the output is exactly what the target alone would produce.
+Greedy, the target's token is its argmax. Sampling, it is a draw from the target's
+distribution p (temperature and top-p as transformers' warpers) by the inverse CDF of
+one uniform per output position: every node at depth d shares the uniform of position
+context + d + 1. A drafted child is accepted when it equals the token its parent chose,
+and the round emits the accepted tokens plus the choice after the last one (the bonus).
+
+Lossless: the token emitted at each position is the inverse-CDF draw of that position's
+own uniform under the target's p given the tokens before it, exactly what plain sampling
+with the same uniforms emits. The draft only decides how many positions one forward
+settles: a drafted x is accepted with probability p(x) (the residual rule's rate for a
+deterministic draft), and siblings add up (p(x1) + p(x2) + ...). So the output does not
+depend on the tree, the draft vocabulary or the batch: a seed reproduces it anywhere.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from eagle2_core.config import Sampling
-from eagle2_core.tree import DraftTree
+from eagle2_core.tree import TreeBatch
+
+UNIFORM_CHUNK = 16  # uniforms are drawn in fixed chunks so every run consumes alike
 
 
 def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -26,49 +39,66 @@ def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return scaled.softmax(dim=-1)
 
 
-def choose_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
-    """The target's own next token: argmax, or a draw from target_probs."""
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: probs [..., V], uniforms [...] in [0, 1) -> token ids [...]."""
+    cumulative = probs.cumsum(dim=-1)
+    target = uniforms.to(cumulative.dtype)[..., None] * cumulative[..., -1:]
+    index = torch.searchsorted(cumulative.contiguous(), target.contiguous(), right=True)
+    return index[..., 0].clamp(max=probs.shape[-1] - 1)
+
+
+def choose_token(logits: torch.Tensor, sampling: Sampling, uniform: float) -> int:
+    """The target's own next token: argmax, or the draw of `uniform` from target_probs."""
     if sampling.greedy:
         return int(logits.argmax())
-    return int(torch.multinomial(target_probs(logits, sampling).cpu(), 1, generator=generator))
+    return int(draw(target_probs(logits, sampling), torch.tensor(uniform)))
 
 
-def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Longest path whose every drafted token equals the target's argmax at its parent."""
-    best = logits.argmax(dim=-1)  # [N]
-    paths = tree.paths
-    valid = paths[:, 1:] >= 0
-    child_tokens = tree.tokens[paths[:, 1:].clamp(min=0)]
-    parent_best = best[paths[:, :-1].clamp(min=0)]
-    matches = (child_tokens == parent_best) & valid
-    accepted_len = matches.long().cumprod(dim=1).sum(dim=1)
-    row = int(accepted_len.argmax())
-    accepted = paths[row, : int(accepted_len[row]) + 1].tolist()
-    return accepted, int(best[accepted[-1]])
+class Uniforms:
+    """One sequence's stream of uniforms, one per output position, from its generator."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+        self.buffer: list[float] = []
+
+    def peek(self, n: int) -> list[float]:
+        """The uniforms of the next n positions (drawn in fixed chunks as needed)."""
+        while len(self.buffer) < n:
+            self.buffer += torch.rand(UNIFORM_CHUNK, generator=self.generator).tolist()
+        return self.buffer[:n]
+
+    def take(self, n: int) -> list[float]:
+        """The next n positions are settled: their uniforms are used up."""
+        taken = self.peek(n)
+        del self.buffer[:n]
+        return taken
 
 
-def sample_accept(
-    tree: DraftTree, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
-) -> tuple[list[int], int]:
-    """Lossless multi-candidate acceptance (drafts are deterministic, so q = 1).
+@dataclass(frozen=True)
+class Accepted:
+    """Each row's accepted path: nodes [B, N] (root first, then deeper; padded with 0),
+    lengths [B] (nodes on the path, root included) and the bonus token [B]."""
 
-    At each node try the children in descending draft score: accept child x with
-    probability p(x); on rejection set p(x) = 0 and renormalise. If all are rejected,
-    sample the bonus from what remains of p. The output is distributed as p.
-    """
-    probs = target_probs(logits, sampling).cpu()
-    node, accepted = 0, [0]
-    while True:
-        p = probs[node]
-        for child in tree.children[node]:
-            token = int(tree.tokens[child])
-            if torch.rand((), generator=generator) < p[token]:
-                node = child
-                accepted.append(child)
-                break
-            p = p.clone()
-            p[token] = 0.0
-            p = p / p.sum()
-        else:
-            bonus = int(torch.multinomial(p, 1, generator=generator))
-            return accepted, bonus
+    nodes: torch.Tensor
+    lengths: torch.Tensor
+    bonus: torch.Tensor
+
+
+def accept(trees: TreeBatch, choices: torch.Tensor) -> Accepted:
+    """Per row, the deepest node whose every drafted ancestor equals the token chosen at
+    its parent (choices [B, N]); siblings hold distinct tokens, so one path qualifies."""
+    parent_choice = choices.gather(1, trees.parents.clamp(min=0))
+    matches = (trees.tokens == parent_choice) & trees.real
+    matches[:, 0] = True  # the root is committed already
+    # A node is on an accepted path when it and all its ancestors match.
+    ok = ~(trees.ancestors & ~matches[:, None, :]).any(dim=-1)
+    depth = torch.where(ok, trees.depths, -1)
+    last = depth.argmax(dim=1)  # [B]
+    rows = torch.arange(trees.tokens.shape[0], device=last.device)
+    on_path = trees.ancestors[rows, last]  # [B, N]: the path's nodes
+    lengths = on_path.sum(dim=1)
+    # Node order is parents first, so the path's nodes in index order run root to leaf.
+    order = torch.sort((~on_path).to(torch.int8), dim=1, stable=True).indices
+    width = torch.arange(order.shape[1], device=last.device)[None]
+    nodes = torch.where(width < lengths[:, None], order, 0)
+    return Accepted(nodes, lengths, choices[rows, last])

@@ -1,4 +1,5 @@
-"""`eagle2-batch bench`: vanilla vs EAGLE-1 vs EAGLE-2 on the same prompts, in one run."""
+"""`eagle2-batch bench`: transformers' generate, the engine's plain decoding, EAGLE-1 and
+EAGLE-2 on the same prompts, in one run."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import sys
 
 import click
 
+from eagle2_core.config import AUTO
 from eagle2_core.registry import DEFAULT_MODEL
 from producer.inputs import read_requests
+from producer.options import TREE_SIZE_HELP, TreeSize
 from producer.validate import Rejected
 
 
@@ -23,9 +26,11 @@ from producer.validate import Rejected
 )
 @click.option(
     "--modes",
-    default="vanilla,eagle1,eagle2",
+    default="vanilla,engine-vanilla,eagle1,eagle2",
     show_default=True,
-    help="Comma-separated modes; vanilla is transformers' generate (the baseline).",
+    help="Comma-separated modes: vanilla is transformers' generate (the baseline), "
+    "engine-vanilla the engine's own decoding without a draft (run --mode vanilla), "
+    "eagle1 and eagle2 its speculative modes.",
 )
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
 @click.option(
@@ -40,12 +45,25 @@ from producer.validate import Rejected
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-k", type=int, default=10, show_default=True)
 @click.option("--depth", type=int, default=5, show_default=True)
-@click.option("--total-tokens", type=int, default=60, show_default=True)
+@click.option(
+    "--total-tokens", type=TreeSize(), default=AUTO, show_default=True, help=TREE_SIZE_HELP
+)
 @click.option(
     "--batch-sizes",
     default=None,
     help="Measure a worker's throughput instead, e.g. 4,8,16: tokens/s of the whole prompt "
     "set for HF batched generate at each B, EAGLE-2 at B=1 and batched EAGLE-2 at each B.",
+)
+@click.option(
+    "--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N: where to decode."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "bf16"]),
+    default="fp32",
+    show_default=True,
+    help="Weights and activations: fp32 (greedy outputs match generate exactly) or bf16 "
+    "(a GPU's speed; ties and rounding may then differ between modes).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def bench(
@@ -61,6 +79,8 @@ def bench(
     depth,
     total_tokens,
     batch_sizes,
+    device,
+    dtype,
     as_json,
 ) -> None:
     """Measure tau, tokens/s and speedup of decoding modes side by side.
@@ -70,14 +90,16 @@ def bench(
 
         eagle2-batch bench --dataset ../shared/benchmarks/mt_bench/question.jsonl --limit 10
     """
-    from eagle2_core.bench import identical_outputs, run_bench
+    import torch
+
+    from eagle2_core.bench import BENCH_MODES, ENGINE_VANILLA, identical_outputs, run_bench
     from eagle2_core.config import DecodeConfig
     from eagle2_core.draft import DraftCheckpointError
     from eagle2_core.engine import load_engine
     from eagle2_core.registry import DraftUnavailableError, ModelLoadError
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    unknown = set(mode_list) - {"vanilla", "eagle1", "eagle2"}
+    unknown = set(mode_list) - set(BENCH_MODES)
     if unknown:
         raise click.BadParameter(
             f"unknown mode(s): {', '.join(sorted(unknown))}", param_hint="--modes"
@@ -87,7 +109,14 @@ def bench(
         (r.messages, [] if first_turn_only else r.followups) for r in itertools.islice(items, limit)
     ]
     try:
-        engine = load_engine(model, draft, needs_draft=mode_list != ["vanilla"])
+        speculative = set(mode_list) & {"eagle1", "eagle2"}
+        engine = load_engine(
+            model,
+            draft,
+            needs_draft=bool(speculative),
+            dtype=torch.float32 if dtype == "fp32" else torch.bfloat16,
+            device=device,
+        )
     except (DraftUnavailableError, DraftCheckpointError, ModelLoadError) as exc:
         raise click.ClickException(str(exc)) from None
     config = DecodeConfig(
@@ -105,19 +134,21 @@ def bench(
 
     if batch_sizes:
         sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
-        speculative = [m for m in mode_list if m != "vanilla"]
-        config = dataclasses.replace(config, mode=speculative[-1] if speculative else "vanilla")
+        drafted = [m for m in mode_list if m in ("eagle1", "eagle2")]
+        config = dataclasses.replace(config, mode=drafted[-1] if drafted else "vanilla")
         _batch_report(engine, questions, config, sizes, dataset, draft, as_json)
         return
     results = run_bench(engine, questions, mode_list, config, on_question=progress)
-    baseline = results.get("vanilla")
-    rows = [r.as_dict(baseline) for r in results.values()]
+    baseline, plain = results.get("vanilla"), results.get(ENGINE_VANILLA)
+    rows = [r.as_dict(baseline, plain) for r in results.values()]
     report = {
         "dataset": dataset,
         "model": model,
         "draft": draft or "shipped",
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
+        "device": device,
+        "dtype": dtype,
         "tree": {"top_k": top_k, "depth": depth, "total_tokens": total_tokens},
         "modes": rows,
     }
@@ -127,19 +158,29 @@ def bench(
         click.echo(json.dumps(report, indent=2))
         return
     print(file=sys.stderr)
-    click.echo(f"{'mode':<8} {'questions':>9} {'tokens':>7} {'tau':>6} {'tok/s':>8} {'speedup':>8}")
+    click.echo(
+        f"{'mode':<14} {'questions':>9} {'tokens':>7} {'tau':>6} {'tree':>6} {'tok/s':>8} "
+        f"{'speedup':>8} {'vs engine-vanilla':>17}"
+    )
     for row in rows:
-        tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
-        speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "-"
         click.echo(
-            f"{row['mode']:<8} {row['questions']:>9} {row['new_tokens']:>7} {tau:>6} "
-            f"{row['tokens_per_s']:>8.1f} {speedup:>8}"
+            f"{row['mode']:<14} {row['questions']:>9} {row['new_tokens']:>7} "
+            f"{_num(row['tau']):>6} {_num(row['tree_size'], 1):>6} {row['tokens_per_s']:>8.1f} "
+            f"{_times(row['speedup']):>8} {_times(row.get('vs_engine_vanilla')):>17}"
         )
     if "identical_outputs" in report:
         click.echo(
             f"greedy outputs identical across modes: "
             f"{report['identical_outputs']}/{len(questions)} questions"
         )
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return f"{value:.{digits}f}" if value is not None else "-"
+
+
+def _times(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
 
 
 def _batch_report(engine, questions, config, sizes, dataset, draft, as_json) -> None:
@@ -152,16 +193,18 @@ def _batch_report(engine, questions, config, sizes, dataset, draft, as_json) -> 
     def show(result) -> None:
         if not as_json:
             row = result.as_dict()
-            tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
             draft_share = f"{row['draft_share']:.0%}" if row["draft_share"] is not None else "-"
             click.echo(
-                f"{row['name']:<16} {row['batch_size']:>3} {row['new_tokens']:>7} "
-                f"{row['seconds']:>8.1f} {row['tokens_per_s']:>7.1f} {tau:>6} {draft_share:>6}"
+                f"{row['name']:<22} {row['batch_size']:>3} {row['new_tokens']:>7} "
+                f"{row['seconds']:>8.1f} {row['tokens_per_s']:>7.1f} {_num(row['tau']):>6} "
+                f"{_num(row['tree_size'], 1):>6} {draft_share:>6}"
             )
 
     if not as_json:
-        click.echo(f"{'decoding':<16} {'B':>3} {'tokens':>7} {'seconds':>8} {'tok/s':>7} "
-                   f"{'tau':>6} {'draft':>6}")  # fmt: skip
+        click.echo(
+            f"{'decoding':<22} {'B':>3} {'tokens':>7} {'seconds':>8} {'tok/s':>7} "
+            f"{'tau':>6} {'tree':>6} {'draft':>6}"
+        )
     results = run_batch_bench(engine, prompts, config, sizes, on_result=show)
     alone = results[0].outputs
     identical = {

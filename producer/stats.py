@@ -27,6 +27,7 @@ STATS_COLUMNS = (
     "status",
     "completion_tokens",
     "mean_accept_length",
+    "mean_tree_size",
     "accept_hist",
     "depth_attempts",
     "depth_accepts",
@@ -67,6 +68,7 @@ class Accumulator:
     timed_tokens: int = 0
     total_ms: float = 0.0
     taus: list[float] = field(default_factory=list)
+    tree_sizes: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
     accept_hist: list[int] = field(default_factory=list)
     depth_attempts: list[int] = field(default_factory=list)
@@ -86,6 +88,8 @@ class Accumulator:
             self.total_ms += row["total_ms"]
         if row["mean_accept_length"] is not None:
             self.taus.append(row["mean_accept_length"])
+        if row.get("mean_tree_size") is not None:
+            self.tree_sizes.append(row["mean_tree_size"])
         if row["tokens_per_s"] is not None:
             self.rates.append(row["tokens_per_s"])
         _add_into(self.accept_hist, row["accept_hist"])
@@ -102,6 +106,9 @@ class Accumulator:
             "tau_mean": sum(self.taus) / len(self.taus) if self.taus else None,
             "tau_p50": percentile(self.taus, 0.5),
             "tau_p90": percentile(self.taus, 0.9),
+            "tree_size_mean": (
+                sum(self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else None
+            ),
             # Aggregate throughput: all tokens over all decode time.
             "tokens_per_s": self.timed_tokens / self.total_ms * 1000 if self.total_ms else None,
             "tokens_per_s_mean": sum(self.rates) / len(self.rates) if self.rates else None,
@@ -133,7 +140,8 @@ def compute_stats(rows: Iterable[Mapping[str, Any]], by: str | None = None) -> d
     """Job statistics from output rows: {'overall': {...}, 'groups': {value: {...}}}.
 
     Each entry: samples, ok, failed, completion_tokens, tau_mean/p50/p90 (per-sample
-    mean accept length), tokens_per_s (sum of tokens / sum of total_ms),
+    mean accept length), tree_size_mean (mean of the samples' mean verified tree size),
+    tokens_per_s (sum of tokens / sum of total_ms),
     tokens_per_s_mean (mean of per-sample rates), accept_hist (summed; index k = verify
     cycles that accepted k drafted tokens), depth_attempts/depth_accepts (summed) and
     depth_accept_rate (accepts / attempts per depth 1..D).
@@ -175,6 +183,7 @@ def format_stats(job: Mapping[str, Any], stats: Mapping[str, Any], by: str | Non
         "tau",
         "p50",
         "p90",
+        "tree",
         "tok/s",
         "per-sample",
     )
@@ -189,6 +198,7 @@ def format_stats(job: Mapping[str, Any], stats: Mapping[str, Any], by: str | Non
             _fmt(s["tau_mean"]),
             _fmt(s["tau_p50"]),
             _fmt(s["tau_p90"]),
+            _fmt(s["tree_size_mean"], 1),
             _fmt(s["tokens_per_s"], 1),
             _fmt(s["tokens_per_s_mean"], 1),
         )
@@ -204,6 +214,7 @@ def format_stats(job: Mapping[str, Any], stats: Mapping[str, Any], by: str | Non
         )
     lines.append(
         "tau: the samples' mean accept length (mean, p50, p90 over samples)\n"
+        "tree: nodes verified per cycle (the samples' mean; auto sizing chooses it)\n"
         "tok/s: all tokens / all decode time; per-sample: mean of the samples' tok/s"
     )
     hist = overall["accept_hist"]

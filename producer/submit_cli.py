@@ -41,6 +41,7 @@ from producer.jobs import (
     set_shards_state,
     shard_ids,
 )
+from producer.options import TREE_SIZE_HELP, TreeSize
 from producer.validate import MAX_SEED
 from workers.db import (
     get_job,
@@ -66,6 +67,7 @@ _DEFAULTS = DecodeConfig()
 
 
 # --------------------------------------------------------------------------- options
+
 
 db_url_option = click.option(
     "--db-url",
@@ -132,24 +134,26 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--total-tokens",
-            type=click.IntRange(min=1),
+            type=TreeSize(),
             default=_DEFAULTS.total_tokens,
             show_default=True,
-            help="Draft tokens verified per cycle (the EAGLE-2 tree budget).",
+            help=TREE_SIZE_HELP,
         ),
         click.option(
             "--depth",
             type=click.IntRange(min=1),
             default=_DEFAULTS.depth,
             show_default=True,
-            help="Draft tree depth: most tokens a cycle can accept.",
+            help="Draft tree depth: most drafted tokens a cycle can accept (with "
+            "--total-tokens auto, the most draft steps a round may take).",
         ),
         click.option(
             "--top-k",
             type=click.IntRange(min=1),
             default=_DEFAULTS.top_k,
             show_default=True,
-            help="Children expanded per draft tree node.",
+            help="Children expanded per draft tree node (with --total-tokens auto, "
+            "the widest a level may be).",
         ),
         click.option(
             "--shard-size",

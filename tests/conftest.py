@@ -109,6 +109,7 @@ def _fake_sample(
         "seed": 7,
         "n_cycles": n_cycles,
         "mean_accept_length": completion / n_cycles,
+        "mean_tree_size": rng.choice([1.0, 4.5, 8.0]),
         "accept_hist": hist,
         "depth_attempts": attempts,
         "depth_accepts": accepts,

@@ -184,6 +184,7 @@ class Sample(Base):
     seed: Mapped[int | None] = mapped_column(BigInteger)
     n_cycles: Mapped[int | None] = mapped_column(Integer)
     mean_accept_length: Mapped[float | None] = mapped_column(Double)
+    mean_tree_size: Mapped[float | None] = mapped_column(Double)
     accept_hist: Mapped[list[int] | None] = mapped_column(JSONType)
     depth_attempts: Mapped[list[int] | None] = mapped_column(JSONType)
     depth_accepts: Mapped[list[int] | None] = mapped_column(JSONType)

@@ -110,9 +110,10 @@ class SampleDecoder:
         source = draft_source(model, draft) if mode != "vanilla" else None
         if target is None:
             target = load_target(model, dtype=dtype, device=device)
-        head = load_head(target, source) if mode != "vanilla" else None
+        head, vocab = load_head(target, source) if mode != "vanilla" else (None, None)
         label = draft_label(model, draft, mode)
-        return cls(Engine(target, head), model=model, draft=label, mode=mode, batch_size=batch_size)
+        engine = Engine(target, head, vocab)
+        return cls(engine, model=model, draft=label, mode=mode, batch_size=batch_size)
 
     def config_for(self, request: Request, job_params: Mapping[str, Any]) -> dict[str, Any]:
         """The decode settings of one sample: defaults < job params < per-line overrides."""
@@ -151,7 +152,7 @@ class SampleDecoder:
         device) raises, so the shard fails visibly and is retried rather than filled with
         failed rows.
         """
-        decoder = BatchDecoder(self.engine)
+        decoder = BatchDecoder(self.engine, self.batch_size)
         chats: dict[str, _Chat] = {}
         pending = iter(requests)
         while True:
@@ -249,8 +250,8 @@ def _fail(row: dict[str, Any], exc: Exception) -> dict[str, Any]:
 def _empty_results() -> dict[str, Any]:
     keys = (
         "output_text turn_outputs prompt_tokens completion_tokens finish_reason n_cycles "
-        "mean_accept_length accept_hist depth_attempts depth_accepts draft_ms verify_ms "
-        "total_ms tokens_per_s"
+        "mean_accept_length mean_tree_size accept_hist depth_attempts depth_accepts draft_ms "
+        "verify_ms total_ms tokens_per_s"
     ).split()
     return dict.fromkeys(keys)
 
@@ -269,6 +270,7 @@ def _results(turns: list[Generation]) -> dict[str, Any]:
         "finish_reason": turns[-1].finish_reason,
         "n_cycles": n_cycles,
         "mean_accept_length": round_tokens / n_cycles if n_cycles else None,
+        "mean_tree_size": sum(s.tree_nodes for s in stats) / n_cycles if n_cycles else None,
         "accept_hist": _sum_lists([s.accept_hist for s in stats]),
         "depth_attempts": _sum_lists([s.depth_attempts for s in stats]),
         "depth_accepts": _sum_lists([s.depth_accepts for s in stats]),

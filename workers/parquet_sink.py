@@ -50,6 +50,7 @@ SAMPLE_SCHEMA = pa.schema(
         pa.field("seed", pa.int64()),
         pa.field("n_cycles", pa.int32()),
         pa.field("mean_accept_length", pa.float64()),
+        pa.field("mean_tree_size", pa.float64()),
         pa.field("accept_hist", _INT_LIST),
         pa.field("depth_attempts", _INT_LIST),
         pa.field("depth_accepts", _INT_LIST),

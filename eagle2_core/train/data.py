@@ -21,9 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-from transformers import DynamicCache
 
-from eagle2_core.models import Target, forward
+from eagle2_core.models import Target, final_hidden_states
 from eagle2_core.registry import END_OF_TURN_TOKENS, encode_chat
 
 VALIDATION_MODULUS = 50
@@ -106,9 +105,7 @@ def conversation_features(
     ids = torch.zeros(len(conversations), max(lengths), dtype=torch.long)
     for row, conversation in enumerate(conversations):
         ids[row, : lengths[row]] = torch.tensor(conversation.ids)
-    positions = torch.arange(ids.shape[1]).expand(len(conversations), -1)
-    cache = DynamicCache(config=target.model.config)
-    features = forward(target, ids.to(target.device), positions.to(target.device), cache)
+    features = final_hidden_states(target, ids.to(target.device))
     features = features.to("cpu", torch.bfloat16)
     sequences = []
     for row, conversation in enumerate(conversations):

@@ -155,7 +155,7 @@ def evaluate(
             parts = batch_loss(
                 head,
                 target.embed,
-                target.lm_head,
+                target.model.get_output_embeddings(),  # the module: gradients pass through
                 batch,
                 noise_width=0.0,
                 regression_weight=config.regression_weight,
@@ -233,7 +233,7 @@ def train(
             parts = batch_loss(
                 head,
                 target.embed,
-                target.lm_head,
+                target.model.get_output_embeddings(),  # the module: gradients pass through
                 batch,
                 config.noise_width,
                 generator,

@@ -29,11 +29,14 @@ def test_batch_bench_runs_every_way_on_the_same_prompts():
     assert names == [
         ("eagle2 B=1", 1),
         ("hf generate", 2),
+        ("engine-vanilla batched", 2),
         ("eagle2 batched", 2),
         ("hf generate", 4),
+        ("engine-vanilla batched", 4),
         ("eagle2 batched", 4),
     ]
     assert all(r.tokens == 5 * 12 and r.seconds > 0 for r in results)
-    for r in results[2::2]:
-        assert r.outputs == results[0].outputs
-        assert r.as_dict()["tau"] >= 1.0 and 0 < r.as_dict()["draft_share"] < 1
+    for plain, eagle in (results[2:4], results[5:7]):
+        assert plain.outputs == eagle.outputs == results[0].outputs
+        assert plain.as_dict()["tau"] == 1.0 and plain.as_dict()["tree_size"] == 1.0
+        assert eagle.as_dict()["tau"] >= 1.0 and 0 < eagle.as_dict()["draft_share"] < 1

@@ -1,53 +1,86 @@
-"""BatchKV bookkeeping on hand-made caches whose entries name their row and token."""
+"""BatchKV bookkeeping on hand-made entries that name their row and token."""
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from eagle2_core.kv import BatchKV
-from eagle2_core.tree import DraftTree
+from eagle2_core.tree import DraftTree, stack
 
 
-def cache_of(rows: list[list[float]]) -> DynamicCache:
-    """A 1-layer cache, 1 head, dim 1: the entry is the token's label (rows equal length)."""
-    cache = DynamicCache()
-    keys = torch.tensor(rows, dtype=torch.float32)[:, None, :, None]
-    cache.update(keys, keys.clone(), 0)
-    return cache
+def new_kv() -> BatchKV:
+    """Two layers, 1 head, dim 1: layer 1 holds the label + 100, so layers stay apart."""
+    return BatchKV(2, 1, 1, torch.float32, "cpu")
 
 
-def contents(kv: BatchKV) -> list[list[float]]:
-    keys = kv.cache.layers[0].keys[:, 0, :, 0]
+def write(keys: torch.Tensor, values: torch.Tensor, start: int, labels: list[list[float]]):
+    """What a forward does: every row's new entries at slots start.."""
+    new = torch.tensor(labels, dtype=torch.float32)[:, None, :, None]
+    n = new.shape[2]
+    for layer, offset in ((0, 0.0), (1, 100.0)):
+        keys[layer, :, :, start : start + n] = new + offset
+        values[layer, :, :, start : start + n] = -(new + offset)
+
+
+def add(kv: BatchKV, labels: list[float]) -> None:
+    keys, values = kv.add_row(len(labels))
+    write(keys, values, 0, [labels])
+
+
+def contents(kv: BatchKV, layer: int = 0) -> list[list[float]]:
+    keys = kv.keys[layer, : kv.rows, 0, : kv.slots, 0]
+    values = kv.values[layer, : kv.rows, 0, : kv.slots, 0]
+    assert torch.equal(values, -keys)
     return [keys[b][kv.valid[b]].tolist() for b in range(kv.rows)]
 
 
-def append_tree(kv: BatchKV, labels: list[list[float]]) -> None:
-    """What a verify forward does to the cache: every row gets N new slots."""
-    new = torch.tensor(labels, dtype=torch.float32)[:, None, :, None]
-    kv.cache.update(new, new.clone(), 0)
-
-
 def test_rows_of_different_lengths_commit_their_own_nodes_and_compact():
-    kv = BatchKV(cache_of([[1, 2, 3, 4, 5, 6]]), 6)
-    kv.add(cache_of([[10, 11]]), 2)
+    kv = new_kv()
+    add(kv, [1, 2, 3, 4, 5, 6])
+    add(kv, [10, 11])
     assert contents(kv) == [[1, 2, 3, 4, 5, 6], [10, 11]]
-    append_tree(kv, [[7, 70, 8], [12, 120, 13]])
-    kv.commit([[0, 2], [1]])  # not a prefix: row 0 keeps nodes 0 and 2, row 1 node 1
+    start = kv.reserve_new(3)
+    assert start == 6
+    write(*kv.layer_views(), start, [[7, 70, 8], [12, 120, 13]])
+    # Not a prefix: row 0 keeps nodes 0 and 2, row 1 node 1.
+    kv.commit(start, torch.tensor([[0, 2], [1, 0]]), torch.tensor([2, 1]))
     assert contents(kv) == [[1, 2, 3, 4, 5, 6, 7, 8], [10, 11, 120]]
+    assert contents(kv, layer=1) == [[101, 102, 103, 104, 105, 106, 107, 108], [110, 111, 220]]
     assert kv.slots == 8  # grew by the longest accepted path
-    kv.keep_rows([1])  # the long row finished: the short one alone fills 3 of 8 slots
+    assert kv.remove_rows([0]) == [1]  # the long row finished: the short one fills 3 of 8
     assert contents(kv) == [[10, 11, 120]]
     assert kv.slots == 3 and bool(kv.valid.all())  # compacted, order kept
 
 
+def test_removed_rows_are_filled_from_the_end():
+    kv = new_kv()
+    for label in range(5):
+        add(kv, [label, label + 0.5])
+    assert kv.remove_rows([1, 4]) == [0, 3, 2]
+    assert contents(kv) == [[0, 0.5], [3, 3.5], [2, 2.5]]
+    add(kv, [9, 9.5, 9.75])  # a new row after removals, longer than the others
+    assert contents(kv) == [[0, 0.5], [3, 3.5], [2, 2.5], [9, 9.5, 9.75]]
+
+
+def test_storage_grows_and_keeps_what_it_holds():
+    kv = new_kv()
+    add(kv, [1.0] * 70)
+    for step in range(40):
+        start = kv.reserve_new(4)
+        write(*kv.layer_views(), start, [[step, -1, -1, -1]])
+        kv.commit(start, torch.tensor([[0]]), torch.tensor([1]))
+    assert contents(kv) == [[1.0] * 70 + [float(s) for s in range(40)]]
+    assert kv.keys.shape[3] >= 110 and kv.keys.shape[3] % 64 == 0
+
+
 def test_tree_mask_hides_holes_and_other_branches():
-    kv = BatchKV(cache_of([[1, 2, 3]]), 3)
-    kv.add(cache_of([[9]]), 1)
+    kv = new_kv()
+    add(kv, [1, 2, 3])
+    add(kv, [9])
     chain = DraftTree(torch.tensor([5, 6]), (-1, 0), torch.zeros(2))
     fork = DraftTree(torch.tensor([5, 6, 7]), (-1, 0, 0), torch.zeros(3))
-    visible = kv.tree_mask([chain, fork], torch.float32)[:, 0] == 0
+    visible = kv.tree_mask(stack([chain, fork], "cpu").ancestors)[:, 0]
     assert visible.shape == (2, 3, 3 + 3)
     assert visible[0, :2].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]
-    assert visible[0, 2].tolist() == [0, 0, 0, 0, 0, 1]  # padding sees only itself
+    assert visible[0, 2, 3:].tolist() == [0, 0, 1]  # padding sees only itself among the new
     assert visible[1].tolist() == [[1, 0, 0, 1, 0, 0], [1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 0, 1]]

@@ -13,6 +13,7 @@ from eagle2_core.config import DecodeConfig
 from eagle2_core.draft import DraftCheckpointError
 from eagle2_core.engine import load_engine
 from eagle2_core.registry import encode_chat
+from tests.eagle2_core.tiny import DEVICE
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +39,9 @@ def first_turns(n: int) -> list[str]:
 @pytest.fixture(scope="module")
 def engine():
     try:
-        return load_engine("smollm2-135m", None)
+        return load_engine("smollm2-135m", None, device=DEVICE)
     except DraftCheckpointError:  # no shipped head yet: an untrained one must be lossless too
-        return load_engine("smollm2-135m", "random")
+        return load_engine("smollm2-135m", "random", device=DEVICE)
 
 
 @pytest.fixture(scope="module")

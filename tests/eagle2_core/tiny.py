@@ -1,6 +1,12 @@
-"""Tiny random Llama targets and draft heads built in code (no weights on disk)."""
+"""Tiny random Llama targets and draft heads built in code (no weights on disk).
+
+EAGLE2_TEST_DEVICE=cuda puts the targets on a GPU (benchmarks/gpu_check.sh runs the
+identity tests that way); the default is the CPU.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -9,6 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from eagle2_core.draft import DraftHead, new_draft_head
 from eagle2_core.models import Target, target_from_model
 from eagle2_core.tree import DraftTree
+
+DEVICE = os.environ.get("EAGLE2_TEST_DEVICE", "cpu")
 
 
 def tiny_tokenizer(vocab_size: int, eos: int | None = 1) -> PreTrainedTokenizerFast:
@@ -43,7 +51,7 @@ def tiny_target(
         initializer_range=0.5,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval().to(DEVICE)
     model.generation_config.eos_token_id = eos
     return target_from_model(model, tiny_tokenizer(vocab_size, eos), "tiny-llama")
 
@@ -57,7 +65,7 @@ def tiny_head(target: Target, seed: int = 1) -> DraftHead:
 
 def hf_greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The oracle: transformers' generate, greedy, with the same stop tokens."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=target.model.device)
     out = target.model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

@@ -150,6 +150,21 @@ def test_help_of_every_command_has_an_example() -> None:
         assert option in shared and option in cli("run", "--help").output
 
 
+@pytest.mark.parametrize("value", ["0", "-3", "many", "2.5"])
+def test_total_tokens_takes_auto_or_a_positive_count(
+    sqlite_url: str, tiny_model: Path, tmp_path: Path, value: str
+) -> None:
+    path = write_input(tmp_path / "in.jsonl", 3)
+    args = ["submit", str(path), "--model", str(tiny_model), "--mode", "vanilla", "--dry-run"]
+    args += ["--db-url", sqlite_url]
+    assert "[default: auto]" in cli("submit", "--help").output
+    assert cli(*args, "--total-tokens", "auto").exit_code == 0
+    assert cli(*args, "--total-tokens", "12").exit_code == 0
+    bad = cli(*args, "--total-tokens", value)
+    assert bad.exit_code == 2
+    assert f"Invalid value for '--total-tokens': {value!r} is neither 'auto'" in bad.output
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_dry_run_prints_the_plan_and_writes_nothing(
     sqlite_url: str, tiny_model: Path, tmp_path: Path, as_json: bool

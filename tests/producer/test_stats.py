@@ -44,6 +44,7 @@ def _expected(rows):
         "tau_mean": float(tau.mean()),
         "tau_p50": float(np.percentile(tau, 50)),
         "tau_p90": float(np.percentile(tau, 90)),
+        "tree_size_mean": float(np.mean([r["mean_tree_size"] for r in ok])),
         "tokens_per_s": float(tokens.sum() / total_ms.sum() * 1000),
         "tokens_per_s_mean": float(np.mean([r["tokens_per_s"] for r in ok])),
         "accept_hist": hist.tolist(),
@@ -99,6 +100,7 @@ def test_stats_of_only_failed_samples_has_no_rates():
     overall = compute_stats([row, row])["overall"]
     assert (overall["samples"], overall["ok"], overall["failed"]) == (2, 0, 2)
     assert overall["tau_mean"] is None and overall["tokens_per_s"] is None
+    assert overall["tree_size_mean"] is None
     assert overall["accept_hist"] == [] and overall["depth_accept_rate"] == []
 
 

@@ -304,7 +304,12 @@ def cluster(tmp_path_factory, make_pg_database) -> Iterator[Cluster]:
         redis.Redis.from_url(BROKER_URL).flushdb()
 
 
-def create_job(engine: Engine, model: Path, draft: Path, requests: list[Request]) -> str:
+PARAMS = {"max_new_tokens": 16, "top_k": 4, "depth": 4, "total_tokens": 16}
+
+
+def create_job(
+    engine: Engine, model: Path, draft: Path, requests: list[Request], params: dict = PARAMS
+) -> str:
     """Job, manifest and shard rows, written before anything is enqueued (as `submit` does)."""
     n_shards = (len(requests) + SHARD_SIZE - 1) // SHARD_SIZE
     job_id = db.insert_job(
@@ -313,7 +318,7 @@ def create_job(engine: Engine, model: Path, draft: Path, requests: list[Request]
         model=str(model),
         draft=str(draft),
         mode="eagle2",
-        params={"max_new_tokens": 16, "top_k": 4, "depth": 4, "total_tokens": 16},
+        params=params,
         n_expected=len(requests),
         n_shards=n_shards,
     )
@@ -464,7 +469,9 @@ def test_shard_for_another_model_fails_visibly(cluster: Cluster):
 @pytest.mark.integration
 def test_warm_shutdown_finishes_running_shards_and_leaves_the_rest_queued(cluster: Cluster):
     requests = prompt_file(20)
-    job_id = create_job(cluster.engine, cluster.model, cluster.draft, requests)
+    # Long answers: a shard must stay running for seconds, not the 0.3 s of 16 tokens.
+    params = {**PARAMS, "max_new_tokens": 400}
+    job_id = create_job(cluster.engine, cluster.model, cluster.draft, requests, params)
     cluster.enqueue([(job_id, s) for s in range(4)])
     cluster.wait(
         lambda: any(s["state"] == "running" for s in shard_rows(cluster.engine, job_id)),

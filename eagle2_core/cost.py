@@ -1,0 +1,311 @@
+"""What a round costs on this device: measured once, cached, interpolated.
+
+Speculation pays when a tree's expected accepted tokens per second beat one token per
+plain step, and what a forward charges for n tokens differs by orders of magnitude
+between devices, models, dtypes and batch sizes: on the 2-core dev CPU a SmolLM2 verify
+of 8 tokens costs about what 1 does and 64 cost 3x; a GPU is flat far longer; a batch of
+16 rows makes every extra node cost 16 tokens. So the engine measures, per device, model
+and dtype:
+
+- verify_ms[B][n]: a target forward over n new tokens in each of B rows after a
+  `CONTEXT`-token context, plus the lm_head over all of them;
+- draft_ms[B][k]: one draft-head step over k tokens per row plus its draft-vocabulary
+  lm_head, log-softmax and top-k;
+- key_ms: what one more context slot adds per query token (attention grows with context).
+
+The table is cached as JSON under EAGLE2_CACHE_DIR/costs/ and measured again after
+`STALE_DAYS` or when anything in its key changes (device, threads, model shape, dtype,
+torch version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle2_core.kv import BatchKV
+from eagle2_core.lean_head import LeanHead
+from eagle2_core.llama import forward
+from eagle2_core.models import Target
+from eagle2_core.registry import cache_root
+
+log = logging.getLogger(__name__)
+
+COST_VERSION = 2
+STALE_DAYS = 14
+CONTEXT = 256  # context slots of the measured forwards
+LONG_CONTEXT = 1024  # second context, for key_ms
+TREE_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+WIDTH_GRID = (1, 2, 4, 6, 8, 10, 16)
+MAX_CURVE = 128  # the largest tree a curve covers (plan.MAX_NODES)
+MAX_TOKENS = 512  # largest B x n measured; beyond it cost grows linearly in tokens
+MAX_PASSES = 6  # passes over the grid at most, until each point's best is confirmed
+CONFIRM = 0.05  # a second run within this share of the best confirms it
+LARGE_TOKENS = 64  # B x n above which one pass suffices
+
+
+@dataclass
+class CostModel:
+    """Milliseconds of the parts of a round, on a (batch, size) grid."""
+
+    key: str
+    measured_at: float
+    batch_grid: list[int]
+    tree_grid: list[int]
+    verify_ms: list[list[float]]  # [batch][tree]; None where B x n > MAX_TOKENS
+    width_grid: list[int]
+    draft_ms: list[list[float]]  # [batch][width]
+    key_ms: float  # per query token per extra context slot
+    _curves: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    def verify(self, batch: int, n: int, context: int = CONTEXT) -> float:
+        """A verify forward of n nodes in each of `batch` rows over `context` slots."""
+        base = _grid(self.batch_grid, self.tree_grid, self.verify_ms, batch, n)
+        return base + self.key_ms * batch * n * (context - CONTEXT)
+
+    def draft(self, batch: int, width: int) -> float:
+        """One draft step over `width` tokens in each of `batch` rows."""
+        return _grid(self.batch_grid, self.width_grid, self.draft_ms, batch, width)
+
+    def verify_curve(self, batch: int, largest: int, context: int) -> torch.Tensor:
+        """verify(batch, n, context) for n = 0..largest (index n; entry 0 unused)."""
+        if batch not in self._curves:
+            self._curves[batch] = torch.tensor(
+                [0.0] + [self.verify(batch, n) for n in range(1, MAX_CURVE + 1)]
+            )
+        nodes = torch.arange(largest + 1)
+        attention = self.key_ms * batch * nodes * (context - CONTEXT)
+        return (self._curves[batch][: largest + 1] + attention).clamp(min=0.0)
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in asdict(self).items() if not k.startswith("_")})
+
+
+def _interp(xs: list[int], ys: list[float | None], x: float) -> float:
+    """Piecewise linear through the measured points, linear beyond the last two."""
+    points = [(a, b) for a, b in zip(xs, ys, strict=True) if b is not None]
+    if len(points) == 1:
+        return points[0][1] * x / points[0][0]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            return y0 + (y1 - y0) * (max(x, x0) - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
+def _grid(rows: list[int], cols: list[int], table: list[list], batch: int, col: int) -> float:
+    per_batch = [_interp(cols, line, col) for line in table]
+    return max(_interp(rows, per_batch, batch), 0.0)
+
+
+def device_key(target: Target, head: LeanHead | None) -> str:
+    """What the measurements depend on."""
+    device = target.device
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = _cpu_name()
+    config = target.model.config
+    parts = {
+        "version": COST_VERSION,
+        "torch": torch.__version__,
+        "hardware": hardware,
+        "threads": torch.get_num_threads(),
+        "model": [
+            target.name,
+            config.hidden_size,
+            config.num_hidden_layers,
+            config.intermediate_size,
+            target.vocab_size,
+            str(target.dtype),
+        ],
+        "head": None if head is None else [head.heads, head.head_dim, head.vocab_size],
+    }
+    return json.dumps(parts, sort_keys=True)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _cache_path(key: str) -> Path:
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "costs" / f"{digest}.json"
+
+
+def load_or_measure(target: Target, head: LeanHead | None, max_batch: int) -> CostModel:
+    """The cached table for this device and model, measured now if missing or stale."""
+    key = device_key(target, head)
+    path = _cache_path(key)
+    try:
+        model = CostModel(**json.loads(path.read_text()))
+        fresh = time.time() - model.measured_at < STALE_DAYS * 86400
+        if model.key == key and fresh and max(model.batch_grid) >= max_batch:
+            return model
+    except (OSError, ValueError, TypeError):
+        pass
+    log.info("measuring forward costs on this device (once; cached in %s)", path)
+    started = time.perf_counter()
+    model = measure(target, head, max_batch, key)
+    log.info("forward costs measured in %.1f s", time.perf_counter() - started)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(model.to_json())
+    staging.replace(path)
+    return model
+
+
+def _batch_grid(max_batch: int) -> list[int]:
+    grid, b = [], 1
+    while b < max_batch:
+        grid.append(b)
+        b *= 2
+    return [*grid, max_batch]
+
+
+def _timed_ms(run: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1000
+
+
+def _time_grid(
+    points: list[tuple], build: Callable[..., Callable[[], object]], device: torch.device
+) -> dict[tuple, float]:
+    """The best time of each point, once it is confirmed.
+
+    A shared machine's noise comes in bursts that only ever slow a run down. So the grid
+    is passed over repeatedly, each pass a point's run after other points' (a burst then
+    spoils different points each pass), and a point is settled when a second run lands
+    within CONFIRM of its best: up to MAX_PASSES passes. Small shapes get an untimed first
+    run (oneDNN builds a kernel per shape); large ones, long and steady, are timed once.
+    """
+    times: dict[tuple, list[float]] = {point: [] for point in points}
+
+    def settled(point: tuple) -> bool:
+        seen = times[point]
+        if point[0] * point[1] > LARGE_TOKENS:
+            return bool(seen)
+        return sum(t <= min(seen, default=math.inf) * (1 + CONFIRM) for t in seen) >= 2
+
+    for step in range(MAX_PASSES):
+        todo = [point for point in points if not settled(point)]
+        if not todo:
+            break
+        for point in todo:
+            run = build(*point)
+            if not step:
+                run()
+            times[point].append(_timed_ms(run, device))
+    return {point: min(seen) for point, seen in times.items()}
+
+
+@torch.inference_mode()
+def measure(target: Target, head: LeanHead | None, max_batch: int, key: str = "") -> CostModel:
+    """Time the grid's forwards on random tokens (costs do not depend on the values)."""
+    device = target.device
+    batches = _batch_grid(max_batch)
+    widths = list(WIDTH_GRID)
+
+    caches: dict[tuple[int, int], BatchKV] = {}
+
+    def verify_run(b: int, n: int, context: int) -> Callable[[], object]:
+        """A forward of n new tokens per row; one cache per (b, context) serves every n
+        (nothing is committed, so each run overwrites the same slots)."""
+        if (b, context) not in caches:
+            caches.clear()  # one at a time: a large batch's cache is hundreds of MB
+            kv = caches[(b, context)] = target.kv()
+            for _ in range(b):
+                kv.add_row(context)
+            kv.reserve_new(max(TREE_GRID))
+        kv = caches[(b, context)]
+        ids = torch.randint(0, target.vocab_size, (b, n), device=device)
+        positions = (context + torch.arange(n, device=device)).expand(b, n)
+        chain = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(b, n, n)
+        mask = kv.tree_mask(chain)
+        keys, values = kv.layer_views()
+        return lambda: target.lm_head(
+            forward(target.lean, ids, positions, keys, values, kv.slots, mask)
+        )
+
+    points = [(b, n, CONTEXT) for b in batches for n in TREE_GRID if b * n <= MAX_TOKENS]
+    probe = 16
+    points += [(1, probe, LONG_CONTEXT)]  # grouped by cache: each is built once per pass
+    times = _time_grid(points, verify_run, device)
+    verify_ms = _monotone([[times.get((b, n, CONTEXT)) for n in TREE_GRID] for b in batches])
+    slope = times[(1, probe, LONG_CONTEXT)] - times[(1, probe, CONTEXT)]
+    key_ms = max(slope, 0.0) / (probe * (LONG_CONTEXT - CONTEXT))
+    draft_ms = [[0.0] * len(widths) for _ in batches]
+    if head is not None:
+        times = _time_grid(
+            [(b, w) for b in batches for w in widths], lambda b, w: _draft_run(head, b, w), device
+        )
+        draft_ms = _monotone([[times[(b, w)] for w in widths] for b in batches])
+    return CostModel(
+        key=key,
+        measured_at=time.time(),
+        batch_grid=batches,
+        tree_grid=list(TREE_GRID),
+        verify_ms=verify_ms,
+        width_grid=widths,
+        draft_ms=draft_ms,
+        key_ms=key_ms,
+    )
+
+
+def _monotone(table: list[list[float | None]]) -> list[list[float | None]]:
+    """More tokens never cost less, so a point costs at most what any larger one does: a
+    running minimum from the large end of each row and column takes out what noise
+    added (noise never makes a run faster)."""
+    rows = []
+    for line in table:
+        best, row = math.inf, []
+        for value in reversed(line):
+            best = min(best, value) if value is not None else best
+            row.append(best if value is not None else None)
+        rows.append(row[::-1])
+    for i in range(len(rows) - 2, -1, -1):
+        rows[i] = [
+            min(v, below) if v is not None and below is not None else v
+            for v, below in zip(rows[i], rows[i + 1], strict=True)
+        ]
+    return rows
+
+
+def _draft_run(head: LeanHead, b: int, w: int) -> Callable[[], object]:
+    """One draft step over w frontier nodes per row, keeping the top w of each (as
+    dynamic.py does with a frontier of width w)."""
+    device = head.embed.device
+    dtype = head.embed.dtype
+    keys = torch.zeros(1, b, head.kv_heads, CONTEXT + w, head.head_dim, dtype=dtype, device=device)
+    values = torch.zeros_like(keys)
+    tokens = torch.randint(0, head.embed.shape[0], (b, w), device=device)
+    features = torch.randn(b, w, head.embed.shape[1], dtype=dtype, device=device)
+    positions = (CONTEXT + torch.arange(w, device=device)).expand(b, w)
+    mask = torch.ones(b, 1, w, CONTEXT + w, dtype=torch.bool, device=device)
+
+    def run() -> object:
+        hidden = head.step(tokens, features, positions, keys, values, CONTEXT, mask)
+        return head.log_probs(hidden).topk(min(w, head.vocab_size), dim=-1)
+
+    return run

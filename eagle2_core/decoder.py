@@ -1,0 +1,499 @@
+"""The decoding loop for a batch: prefill, then rounds of draft -> verify -> accept ->
+commit until every sequence stops.
+
+The same loop runs plain decoding (root-only trees), EAGLE-1 (static trees) and EAGLE-2
+(dynamic trees, sized by cost: plan.py), so the three compare on equal terms. A round
+syncs with the host once to read what was accepted (and the planner reads the draft's
+confidences once per draft level); trees, masks, acceptance and the cache commit are
+tensor operations that run on any device.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from eagle2_core.config import AUTO, DEFAULT_BATCH_SIZE, DecodeConfig
+from eagle2_core.cost import CostModel
+from eagle2_core.drafters import Drafter
+from eagle2_core.dynamic import DynamicDrafter, FixedPlan, Fresh
+from eagle2_core.lean_head import LeanHead
+from eagle2_core.llama import forward
+from eagle2_core.models import Target
+from eagle2_core.plan import MAX_NODES, Calibration, Planner
+from eagle2_core.tree import TreeBatch, root_only, roots_only, select, stack
+from eagle2_core.verify import Accepted, Uniforms, accept, choose_token, draw, target_probs
+
+
+class PromptError(ValueError):
+    """The prompt cannot be decoded (empty, or longer than the model's context)."""
+
+
+@dataclass
+class DecodeStats:
+    """Per-sample acceptance statistics; a cycle is one draft + verify round."""
+
+    n_cycles: int = 0
+    round_tokens: int = 0  # tokens emitted by the rounds (the prefill's first token excluded)
+    tree_nodes: int = 0  # nodes verified, root included, summed over the cycles
+    accept_hist: list[int] = field(default_factory=list)  # [k] = cycles accepting k drafts
+    depth_attempts: list[int] = field(default_factory=list)  # [d-1] = cycles offering depth d
+    depth_accepts: list[int] = field(default_factory=list)  # [d-1] = cycles accepting depth d
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+
+    @property
+    def tau(self) -> float | None:
+        """Average acceptance length: tokens per verify pass (accepted drafts + 1)."""
+        return self.round_tokens / self.n_cycles if self.n_cycles else None
+
+    @property
+    def mean_tree_size(self) -> float | None:
+        """Nodes verified per cycle (the tree size the rounds chose)."""
+        return self.tree_nodes / self.n_cycles if self.n_cycles else None
+
+    def record(self, nodes: int, accepted: int, offered: int, emitted: int) -> None:
+        """One cycle: a tree of `nodes` nodes, `accepted` drafts taken, depths 1..offered
+        present along the accepted path, `emitted` tokens kept."""
+        self.n_cycles += 1
+        self.round_tokens += emitted
+        self.tree_nodes += nodes
+        _bump(self.accept_hist, accepted)
+        for depth in range(1, offered + 1):
+            _bump(self.depth_attempts, depth - 1)
+            if depth <= accepted:
+                _bump(self.depth_accepts, depth - 1)
+        while len(self.depth_accepts) < len(self.depth_attempts):
+            self.depth_accepts.append(0)
+
+
+def _bump(counts: list[int], index: int) -> None:
+    counts.extend([0] * (index + 1 - len(counts)))
+    counts[index] += 1
+
+
+@dataclass
+class Generation:
+    """One completion with its statistics."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop", "length" (max_new_tokens) or "context" (model full)
+    prompt_tokens: int
+    stats: DecodeStats
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        ms = self.stats.total_ms
+        return self.completion_tokens / (ms / 1000) if ms > 0 else 0.0
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A generator for one sequence: seeded for reproducible sampling, else random."""
+    return torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+
+
+MAX_REST = 16  # the longest pause from drafting when it does not pay
+
+
+class Speculator(Protocol):
+    """What a decoder needs of its engine (engine.Engine)."""
+
+    target: Target
+    lean_head: LeanHead | None
+    calibration: Calibration
+
+    def drafter_for(self, config: DecodeConfig) -> Drafter | None: ...
+
+    def costs(self, batch_size: int) -> CostModel: ...
+
+
+@dataclass
+class _Sequence:
+    """One sequence in flight: its settings, its drafter, and where decoding stands."""
+
+    key: Hashable
+    config: DecodeConfig
+    drafter: Drafter | None  # its own drafter (None: the batch's EAGLE-2, or root only)
+    uniforms: Uniforms  # one per output position, from the sequence's generator
+    prompt_len: int
+    stats: DecodeStats
+    output: list[int]
+    context_len: int  # tokens in the target's cache (the newest token is not yet there)
+    features: torch.Tensor | None  # for its own drafter: features of the tokens committed
+    next_tokens: torch.Tensor | None  # since its last draft, and the token after each
+    finish: str | None = None
+
+
+class BatchDecoder:
+    """Decodes many sequences at once: every round drafts each sequence's own tree, then
+    verifies all trees in one batched target forward.
+
+    Callers `add` sequences whenever they like (continuous batching) and call `step`
+    for one round; finished sequences leave the batch. Each sequence is decoded exactly
+    as it would be alone (its own tree, acceptance, cache length, stop and generator);
+    only how much is speculated depends on the batch (see plan.py). A batch drafts with
+    the engine's EAGLE-2 (all rows share top_k and depth) or row by row (EAGLE-1, plain
+    decoding, a drafter passed in), not both. Time is attributed per sequence: its
+    prefill and drafting share, plus the batched verify split in proportion to tree size.
+    """
+
+    def __init__(self, engine: Speculator, batch_size: int = DEFAULT_BATCH_SIZE):
+        self.engine = engine
+        self.target = engine.target
+        self.batch_size = batch_size  # expected rows at once: sizes the cost table
+        self.kv = self.target.kv()
+        self.rows: list[_Sequence] = []
+        self.finished: list[tuple[Hashable, Generation]] = []
+        self.dynamic: DynamicDrafter | None = None
+        self.fresh: Fresh | None = None  # the dynamic rows' tokens to catch up on
+        self.shape: tuple[int, int] | None = None  # (top_k, depth) of the dynamic rows
+        self.rest = self.backoff = 0  # rounds to skip drafting, and the last such pause
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self.finished
+
+    @torch.inference_mode()
+    def add(
+        self,
+        key: Hashable,
+        prompt_ids: list[int],
+        config: DecodeConfig,
+        drafter: Drafter | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Prefill a prompt and join the batch; raises PromptError for an undecodable one.
+
+        The first row that sizes its trees by cost has the cost table loaded (measured,
+        on a new machine) before its clock starts: that is the machine's, not its time."""
+        planned = config.mode == "eagle2" and config.total_tokens == AUTO and drafter is None
+        if planned and self.engine.lean_head is not None:
+            self.engine.costs(self.batch_size)
+        start = time.perf_counter()
+        target = self.target
+        if not prompt_ids:
+            raise PromptError("the prompt is empty: there is nothing to continue")
+        if len(prompt_ids) >= target.max_context:
+            raise PromptError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context holds "
+                f"{target.max_context}; shorten the prompt"
+            )
+        stats = DecodeStats()
+        if config.max_new_tokens == 0:
+            self.finished.append((key, Generation([], "", "length", len(prompt_ids), stats)))
+            return
+        dynamic = drafter is None and config.mode == "eagle2" and self.engine.lean_head is not None
+        self._check_kind(dynamic, config)
+        if drafter is None and not dynamic:
+            drafter = self.engine.drafter_for(config)
+        if drafter is not None:
+            drafter.reset()
+        generator = generator if generator is not None else seeded_generator(config.seed)
+        prompt = torch.tensor(prompt_ids, device=target.device)
+        keys, values = self.kv.add_row(len(prompt_ids))
+        positions = torch.arange(len(prompt_ids), device=target.device)[None]
+        features = forward(target.lean, prompt[None], positions, keys, values, 0)[0]
+        uniforms = Uniforms(generator)
+        first = 0.0 if config.sampling.greedy else uniforms.take(1)[0]
+        root = choose_token(target.lm_head(features[-1]), config.sampling, first)
+        next_tokens = torch.cat([prompt[1:], torch.tensor([root], device=target.device)])
+        seq = _Sequence(
+            key=key,
+            config=config,
+            drafter=drafter,
+            uniforms=uniforms,
+            prompt_len=len(prompt_ids),
+            stats=stats,
+            output=[root],
+            context_len=len(prompt_ids),
+            features=None if dynamic else features,
+            next_tokens=None if dynamic else next_tokens,
+            finish=_finish(root, 1, config, target),
+        )
+        if dynamic:
+            self._join_dynamic(features, next_tokens)
+        self.rows.append(seq)
+        stats.total_ms += (time.perf_counter() - start) * 1000
+        if seq.finish is not None:
+            self._drop_finished()
+
+    def _check_kind(self, dynamic: bool, config: DecodeConfig) -> None:
+        if self.rows and (self.dynamic is not None) != dynamic:
+            raise ValueError(
+                "a batch drafts either with the engine's EAGLE-2 head or row by row, not both"
+            )
+        shape = (config.top_k, config.depth)
+        if dynamic and self.rows and shape != self.shape:
+            raise ValueError(
+                f"a batch's EAGLE-2 rows share top_k and depth: {self.shape} "
+                f"is decoding, {shape} was added"
+            )
+        if dynamic and not self.rows:
+            self.shape = shape
+            self.dynamic = DynamicDrafter(self.engine.lean_head, config.depth)
+            self.fresh = None
+            self.rest = self.backoff = 0
+        if not dynamic and not self.rows:
+            self.dynamic = self.fresh = None
+
+    def _join_dynamic(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """The new row's draft cache takes all but its last committed token; that one is
+        its first round's fresh token."""
+        self.dynamic.add(features, next_tokens)
+        row = Fresh(
+            features[None, -1:],
+            next_tokens[None, -1:],
+            torch.ones(1, dtype=torch.long, device=features.device),
+        )
+        self.fresh = row if self.fresh is None else _cat_fresh(self.fresh, row)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Hashable, Generation]]:
+        """One draft + verify round for every sequence; returns those that finished."""
+        for seq in self.rows:
+            if self.target.max_context - seq.context_len < 1:
+                seq.finish = "context"
+        self._drop_finished()
+        if self.rows:
+            self._round()
+        finished, self.finished = self.finished, []
+        return finished
+
+    def _round(self) -> None:
+        started = time.perf_counter()
+        context_lens = [s.context_len for s in self.rows]
+        caps = [
+            min(_budget(s.config), self.target.max_context - c)
+            for s, c in zip(self.rows, context_lens, strict=True)
+        ]
+        skipped = False
+        if self.dynamic is not None:
+            trees, planner, skipped = self._draft_dynamic(context_lens, caps)
+        else:
+            trees, planner = self._draft_rows(caps), None
+        drafted = time.perf_counter()
+        step = self._verify(trees, context_lens, skipped)
+        finished = time.perf_counter()
+        if planner is not None:
+            self._calibrate(planner, trees, step.lengths, finished - started)
+        self._attribute(drafted - started, finished - drafted, step.sizes)
+        self._advance(step)
+        self._drop_finished()
+
+    def _draft_rows(self, caps: list[int]) -> TreeBatch:
+        """Each row's tree from its own drafter (the root alone without one)."""
+        return stack(
+            [
+                seq.drafter.draft(seq.features, seq.next_tokens, seq.context_len, cap)
+                if seq.drafter is not None
+                else root_only(int(seq.next_tokens[-1]))
+                for seq, cap in zip(self.rows, caps, strict=True)
+            ],
+            self.target.device,
+        )
+
+    def _draft_dynamic(
+        self, context_lens: list[int], caps: list[int]
+    ) -> tuple[TreeBatch, Planner | None, bool]:
+        """The EAGLE-2 trees of all rows: planned by cost where total_tokens is auto; and
+        whether drafting was skipped.
+
+        When the planner finds that a round, drafting included, did not beat plain
+        decoding, the next rounds skip drafting (1, 2, 4 .. MAX_REST rounds, doubling while
+        it keeps not paying): plain decoding, while the fresh tokens wait to be caught up
+        on in one head forward. So a useless draft costs a draft step every MAX_REST + 1
+        rounds."""
+        top_k, depth = self.shape
+        device = self.target.device
+        auto = all(s.config.total_tokens == AUTO for s in self.rows)
+        if auto and self.rest > 0:
+            self.rest -= 1
+            return roots_only(self.fresh.roots()), None, True
+        lens = torch.tensor(context_lens, device=device)
+        planner = None
+        if auto:
+            costs = self.engine.costs(self.batch_size)
+            planner = Planner(
+                costs, self.engine.calibration, len(self.rows), self.kv.slots, caps, top_k, depth
+            )
+            plan = planner
+        else:
+            plan = FixedPlan(top_k, depth)
+        pool, max_depth = self.dynamic.draft(self.fresh, lens, plan)
+        sizes = planner.sizes(pool) if planner is not None else caps
+        if planner is not None:
+            self.backoff = 0 if planner.pays else min(max(2 * self.backoff, 1), MAX_REST)
+            self.rest = self.backoff
+        return select(pool, self.fresh.roots(), sizes, max_depth), planner, False
+
+    def _verify(self, trees: TreeBatch, context_lens: list[int], skipped: bool) -> _Step:
+        """One target forward over every row's tree; accept, commit, and what each row
+        emits (read to the host once)."""
+        target, device = self.target, self.target.device
+        start = self.kv.reserve_new(trees.width)
+        positions = torch.tensor(context_lens, device=device)[:, None] + trees.depths
+        keys, values = self.kv.layer_views()
+        mask = self.kv.tree_mask(trees.ancestors)
+        hidden = forward(target.lean, trees.tokens, positions, keys, values, start, mask)
+        accepted = self._accept(trees, target.lm_head(hidden))
+        lengths = accepted.lengths.tolist()
+        width = max(lengths)
+        nodes = accepted.nodes[:, :width]
+        self.kv.commit(start, nodes, accepted.lengths)
+        after = torch.cat([nodes[:, 1:], nodes[:, :1]], dim=1)  # the node after each
+        emitted = trees.tokens.gather(1, after)
+        last = torch.arange(width, device=device)[None] == (accepted.lengths - 1)[:, None]
+        emitted = torch.where(last, accepted.bonus[:, None], emitted)  # bonus after the path
+        features = hidden.gather(1, nodes[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        leaf = nodes.gather(1, (accepted.lengths - 1)[:, None])
+        offered = trees.has_children().gather(1, leaf)[:, 0]
+        if self.dynamic is not None:  # what the draft has to catch up on next
+            fresh = Fresh(features, emitted, accepted.lengths)
+            self.fresh = _extend(self.fresh, fresh) if skipped else fresh
+        return _Step(
+            lengths, emitted.tolist(), offered.tolist(), trees.sizes.tolist(), features, emitted
+        )
+
+    def _advance(self, step: _Step) -> None:
+        """Each row takes its emitted tokens, up to its stop."""
+        for row, seq in enumerate(self.rows):
+            n = step.lengths[row]
+            seq.context_len += n
+            if self.dynamic is None:  # row by row: the row's own state
+                seq.features = step.features[row, :n]
+                seq.next_tokens = step.emitted[row, :n]
+            if not seq.config.sampling.greedy:
+                seq.uniforms.take(n)
+            kept = 0
+            for token in step.emitted_host[row][:n]:
+                seq.output.append(token)
+                kept += 1
+                seq.finish = _finish(token, len(seq.output), seq.config, self.target)
+                if seq.finish is not None:
+                    break
+            seq.stats.record(step.sizes[row], n - 1, n - 1 + step.offered[row], kept)
+
+    def _accept(self, trees: TreeBatch, logits: torch.Tensor) -> Accepted:
+        """The target's token at every node (argmax, or a sampled row's draws from its own
+        uniforms: verify.py), then each row's matching path."""
+        choices = logits.argmax(dim=-1)
+        for row, seq in enumerate(self.rows):
+            sampling = seq.config.sampling
+            if not sampling.greedy:
+                ahead = torch.tensor(seq.uniforms.peek(trees.width), device=logits.device)
+                probs = target_probs(logits[row], sampling)
+                choices[row] = draw(probs, ahead[trees.depths[row]])
+        return accept(trees, choices)
+
+    def _calibrate(
+        self, planner: Planner, trees: TreeBatch, lengths: list[int], seconds: float
+    ) -> None:
+        drafted = trees.real.clone()
+        drafted[:, 0] = False
+        predicted = float(trees.scores.exp().where(drafted, 0.0).sum())
+        calibration = self.engine.calibration
+        calibration.record(predicted, sum(lengths) - len(lengths), planner.chosen)
+        modelled = planner.draft_ms + float(planner.verify_ms[planner.chosen])
+        calibration.record_overhead(seconds * 1000 - modelled)
+
+    def _attribute(self, draft_s: float, verify_s: float, sizes: list[int]) -> None:
+        """Drafting time is shared evenly, verify time by tree size."""
+        total = sum(sizes)
+        for seq, size in zip(self.rows, sizes, strict=True):
+            draft_ms = draft_s * 1000 / len(self.rows)
+            verify_ms = verify_s * 1000 * size / total
+            seq.stats.draft_ms += draft_ms
+            seq.stats.verify_ms += verify_ms
+            seq.stats.total_ms += draft_ms + verify_ms
+
+    def _drop_finished(self) -> None:
+        gone = [i for i, seq in enumerate(self.rows) if seq.finish is not None]
+        if not gone:
+            return
+        for i in gone:
+            self._retire(self.rows[i])
+        order = self.kv.remove_rows(gone)
+        if self.dynamic is not None:
+            if self.dynamic.remove_rows(gone) != order:
+                raise AssertionError("the draft cache's rows left the target's order")
+            if order:
+                index = torch.tensor(order, device=self.target.device)
+                self.fresh = Fresh(
+                    self.fresh.features[index], self.fresh.tokens[index], self.fresh.lengths[index]
+                )
+        self.rows = [self.rows[i] for i in order]
+
+    def _retire(self, seq: _Sequence) -> None:
+        text = self.target.tokenizer.decode(seq.output, skip_special_tokens=True)
+        generation = Generation(seq.output, text, seq.finish, seq.prompt_len, seq.stats)
+        self.finished.append((seq.key, generation))
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What one verify round settled for each row."""
+
+    lengths: list[int]  # tokens committed (root and accepted drafts) = tokens emitted
+    emitted_host: list[list[int]]  # the emitted tokens (accepted drafts, then the bonus)
+    offered: list[int]  # 1 where the tree went deeper than the accepted path
+    sizes: list[int]  # tree nodes verified
+    features: torch.Tensor  # [B, W, H] target features of the committed tokens
+    emitted: torch.Tensor  # [B, W]
+
+
+def _extend(old: Fresh, new: Fresh) -> Fresh:
+    """Each row's fresh tokens followed by its newer ones (a round that skipped drafting)."""
+    b, hidden = old.features.shape[0], old.features.shape[2]
+    lengths = old.lengths + new.lengths
+    width = int(lengths.max())
+    features = old.features.new_zeros(b, width + 1, hidden)  # column `width`: a discard
+    tokens = old.tokens.new_zeros(b, width + 1)
+    keep = min(old.tokens.shape[1], width)
+    features[:, :keep] = old.features[:, :keep]
+    tokens[:, :keep] = old.tokens[:, :keep]
+    offsets = torch.arange(new.tokens.shape[1], device=tokens.device)[None]
+    index = torch.where(offsets < new.lengths[:, None], old.lengths[:, None] + offsets, width)
+    features.scatter_(1, index[:, :, None].expand(-1, -1, hidden), new.features)
+    tokens.scatter_(1, index, new.tokens)
+    return Fresh(features[:, :width], tokens[:, :width], lengths)
+
+
+def _cat_fresh(a: Fresh, b: Fresh) -> Fresh:
+    width = max(a.tokens.shape[1], b.tokens.shape[1])
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        extra = width - x.shape[1]
+        return torch.nn.functional.pad(x, (0, 0, 0, extra) if x.dim() == 3 else (0, extra))
+
+    return Fresh(
+        torch.cat([pad(a.features), pad(b.features)]),
+        torch.cat([pad(a.tokens), pad(b.tokens)]),
+        torch.cat([a.lengths, b.lengths]),
+    )
+
+
+def _budget(config: DecodeConfig) -> int:
+    return MAX_NODES if config.total_tokens == AUTO else config.total_tokens
+
+
+def _finish(token: int, n_out: int, config: DecodeConfig, target: Target) -> str | None:
+    if token in target.stop_ids:
+        return "stop"
+    if n_out >= config.max_new_tokens:
+        return "length"
+    return None

@@ -1,0 +1,140 @@
+"""How much to speculate, decided every round from what the device charges.
+
+EAGLE-2's finding is that a node's path confidence (the product of draft probabilities
+from the root) approximates the chance that it is accepted, so a tree's expected tokens
+per round are 1 + the sum of its nodes' confidences. With the cost table of cost.py the
+planner picks, for the whole batch (every row shares one verify forward):
+
+- the frontier width: about as many nodes per level as recent trees held;
+- the depth: one more draft step only while the tokens it is expected to add per
+  millisecond it costs (the step plus verifying its nodes) beat the round's current
+  tokens per millisecond;
+- the tree size n: the one that maximises expected tokens / expected round time.
+
+Confidence is calibrated online (realised accepted drafts / predicted, a running ratio),
+so an over- or under-confident head, sampling, or a head that knows nothing all get sized by
+what they actually achieve. A round whose best tree, drafting included, does not beat
+plain decoding's rate tells the decoder to pause drafting (decoder.py). A fixed
+`total_tokens` bypasses all of this.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from eagle2_core.cost import MAX_CURVE, CostModel
+from eagle2_core.tree import Pool
+
+MAX_NODES = MAX_CURVE  # the largest tree auto sizing considers
+_DECAY = 0.9  # weight of the past in the running statistics
+TOLERANCE = 0.005
+
+
+@dataclass
+class Calibration:
+    """Running statistics of one engine's rounds (they carry across batches)."""
+
+    predicted: float = 1.0  # summed confidences of verified drafted nodes
+    realised: float = 1.0  # accepted drafted nodes
+    retention: float = 0.5  # share of a node's confidence its best child keeps
+    nodes: float = 8.0  # tree size of recent rounds
+    overhead_ms: float = 0.0  # a round's time beyond the table's forwards
+
+    @property
+    def ratio(self) -> float:
+        return min(max(self.realised / self.predicted, 0.01), 2.0)
+
+    def record(self, predicted: float, realised: float, nodes: int) -> None:
+        self.predicted = _DECAY * self.predicted + predicted
+        self.realised = _DECAY * self.realised + realised
+        self.nodes = _DECAY * self.nodes + (1 - _DECAY) * nodes
+
+    def record_retention(self, before: float, after: float) -> None:
+        if before > 0:
+            self.retention = _DECAY * self.retention + (1 - _DECAY) * min(after / before, 1.0)
+
+    def record_overhead(self, ms: float) -> None:
+        self.overhead_ms = _DECAY * self.overhead_ms + (1 - _DECAY) * max(ms, 0.0)
+
+
+class Planner:
+    """One round's decisions for `rows` sequences whose caches span `context` slots."""
+
+    def __init__(
+        self,
+        costs: CostModel,
+        calibration: Calibration,
+        rows: int,
+        context: int,
+        caps: list[int],
+        top_k: int,
+        depth: int,
+    ):
+        self.costs, self.calibration = costs, calibration
+        self.rows, self.caps = rows, caps  # caps: most nodes each row may verify
+        self.depth = depth
+        largest = min(MAX_NODES, max(caps))
+        self.verify_ms = costs.verify_curve(rows, largest, context)
+        self.width = max(1, min(top_k, math.ceil(calibration.nodes)))
+        self.draft_ms = 0.0
+        self.chosen, self.pays = 1, False
+        self._previous = torch.zeros(rows, 0)  # the previous level's frontier scores
+
+    def drafted(self, tokens_per_row: int) -> None:
+        """A draft step over tokens_per_row tokens per row has run."""
+        self.draft_ms += self.costs.draft(self.rows, tokens_per_row)
+
+    def _best(self, scores: torch.Tensor, draft_ms: float) -> tuple[int, float]:
+        """(n, expected tokens per ms) of the best tree size for candidates with these
+        path log-confidences [B, P], after draft_ms of drafting."""
+        r = self.calibration.ratio
+        ranked = scores.detach().float().cpu().exp().sort(dim=1, descending=True).values
+        cumulative = torch.cat([torch.zeros(self.rows, 1), ranked.cumsum(dim=1)], dim=1)
+        largest = self.verify_ms.shape[0] - 1
+        sizes = torch.arange(1, largest + 1)
+        caps = torch.tensor(self.caps)[:, None]
+        drafted = (torch.minimum(sizes[None], caps) - 1).clamp(max=cumulative.shape[1] - 1)
+        tokens = (1 + r * cumulative.gather(1, drafted)).sum(dim=0)  # [largest]
+        time_ms = draft_ms + self.calibration.overhead_ms + self.verify_ms[1:]
+        rate = tokens / time_ms
+        # The smallest tree within TOLERANCE of the best: nodes that buy next to nothing
+        # only add work (and timing noise would pick them at random).
+        best = int((rate >= rate.max() * (1 - TOLERANCE)).nonzero()[0])
+        return best + 1, float(rate[best])
+
+    def keep_drafting(self, steps: int, pool: Pool, frontier_scores: torch.Tensor) -> bool:
+        """After `steps` expansion steps: is one more worth its time?
+
+        One step of lookahead: the next level would add, below each frontier node, a best
+        child holding `retention` of its confidence. Draft it if the best tree over the
+        pool plus those children, paying one more draft step, beats the best tree now
+        (the children may displace weaker nodes, not only add to the tree)."""
+        if steps and self._previous.numel():
+            k = self._previous.shape[1]
+            best_children = pool.scores[:, -k * k :].reshape(self.rows, k, k)[:, :, 0]
+            self.calibration.record_retention(
+                float(self._previous.exp().sum()), float(best_children.exp().sum())
+            )
+        self._previous = frontier_scores.detach().float()
+        if steps >= self.depth:
+            return False
+        _, now = self._best(pool.scores, self.draft_ms)
+        retention = max(self.calibration.retention, 1e-6)
+        children = self._previous + math.log(retention)
+        with_children = torch.cat(
+            [pool.scores.detach().float(), children.to(pool.scores.device)], 1
+        )
+        step_ms = self.costs.draft(self.rows, frontier_scores.shape[1])
+        _, then = self._best(with_children, self.draft_ms + step_ms)
+        return then > now
+
+    def sizes(self, pool: Pool) -> list[int]:
+        """Nodes to verify per row: the best common size, within each row's cap. Sets
+        `pays`: whether this round, drafting included, beats plain decoding's rate."""
+        n, rate = self._best(pool.scores, self.draft_ms)
+        plain = self.rows / (self.calibration.overhead_ms + float(self.verify_ms[1]))
+        self.chosen, self.pays = n, rate > plain
+        return [min(n, cap) for cap in self.caps]

@@ -1,0 +1,91 @@
+"""The decoding loop's own decisions: pausing drafting, batch kinds, fresh tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle2_core.config import DecodeConfig
+from eagle2_core.cost import TREE_GRID, WIDTH_GRID, CostModel
+from eagle2_core.decoder import MAX_REST, BatchDecoder, _extend
+from eagle2_core.dynamic import DynamicDrafter, Fresh
+from eagle2_core.engine import Engine
+from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
+
+
+def device_costs(verify_per_node_ms: float, draft_ms: float) -> CostModel:
+    batches = [1, 16]
+    return CostModel(
+        key="test",
+        measured_at=0.0,
+        batch_grid=batches,
+        tree_grid=list(TREE_GRID),
+        verify_ms=[[10.0 + verify_per_node_ms * (b * n - 1) for n in TREE_GRID] for b in batches],
+        width_grid=list(WIDTH_GRID),
+        draft_ms=[[draft_ms] * len(WIDTH_GRID) for _ in batches],
+        key_ms=0.0,
+    )
+
+
+def count_drafts(monkeypatch) -> list[int]:
+    calls = []
+    real = DynamicDrafter.draft
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DynamicDrafter, "draft", counted)
+    return calls
+
+
+def test_drafting_pauses_where_it_cannot_pay_and_outputs_stay_exact(monkeypatch):
+    """Nodes cost a lot and a draft step more: the planner verifies the root alone and
+    the decoder stops drafting for 1, 2, 4 .. rounds; tokens are generate's."""
+    target = tiny_target(eos=None)
+    engine = Engine(target, tiny_head(target))
+    engine._costs = device_costs(verify_per_node_ms=50.0, draft_ms=40.0)
+    calls = count_drafts(monkeypatch)
+    prompt = prompts(96, lengths=(7,))[0]
+    got = engine.generate(prompt, DecodeConfig(max_new_tokens=60))
+    assert got.token_ids == hf_greedy(target, prompt, 60)
+    assert got.stats.mean_tree_size < 1.2  # the root alone, bar a lucky draft or two
+    rounds = got.stats.n_cycles
+    assert rounds == 59 and len(calls) <= 1 + rounds // MAX_REST + 5  # 1 + 1 + 2 + 4 + 8 + 16..
+
+
+def test_drafting_goes_on_where_it_pays(monkeypatch):
+    target = tiny_target(eos=None)
+    engine = Engine(target, tiny_head(target))
+    engine._costs = device_costs(verify_per_node_ms=0.0, draft_ms=0.01)
+    calls = count_drafts(monkeypatch)
+    prompt = prompts(96, lengths=(7,))[0]
+    got = engine.generate(prompt, DecodeConfig(max_new_tokens=30))
+    assert got.token_ids == hf_greedy(target, prompt, 30)
+    assert len(calls) == got.stats.n_cycles and got.stats.mean_tree_size > 1
+
+
+def test_a_batch_drafts_one_way():
+    target = tiny_target(eos=None)
+    engine = Engine(target, tiny_head(target))
+    decoder = BatchDecoder(engine)
+    decoder.add("a", [5, 6, 7], DecodeConfig(top_k=4, depth=3))
+    with pytest.raises(ValueError, match="share top_k and depth"):
+        decoder.add("b", [5, 6], DecodeConfig(top_k=5, depth=3))
+    with pytest.raises(ValueError, match="not both"):
+        decoder.add("c", [5, 6], DecodeConfig(), drafter=OracleDrafter([5, 6], [7], 96))
+    assert decoder.active == 1
+
+
+def test_fresh_tokens_wait_in_order_while_drafting_pauses():
+    h = 2
+    old = Fresh(
+        torch.arange(12.0).view(2, 3, h), torch.tensor([[1, 2, 0], [5, 0, 0]]), torch.tensor([2, 1])
+    )
+    new = Fresh(torch.full((2, 2, h), -1.0), torch.tensor([[3, 0], [6, 7]]), torch.tensor([1, 2]))
+    both = _extend(old, new)
+    assert both.lengths.tolist() == [3, 3]
+    assert both.tokens.tolist() == [[1, 2, 3], [5, 6, 7]]
+    assert both.features[0, :2].tolist() == old.features[0, :2].tolist()
+    assert both.features[1, 1:].tolist() == [[-1.0, -1.0], [-1.0, -1.0]]
+    assert both.roots().tolist() == [3, 7]

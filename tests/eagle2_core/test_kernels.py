@@ -1,0 +1,34 @@
+"""Prepared linears compute what F.linear computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle2_core.kernels import Linear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepared_linear_equals_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 20, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    x = torch.randn(2, rows, 20, generator=g)
+    torch.testing.assert_close(Linear(weight, b)(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_projections_are_the_concatenated_outputs():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(8, 6, generator=g), torch.randn(4, 6, generator=g)
+    k_bias = torch.randn(4, generator=g)
+    x = torch.randn(5, 6, generator=g)
+    out = Linear.stack([q, k], [None, k_bias])(x)
+    torch.testing.assert_close(out[:, :8], x @ q.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:, 8:], x @ k.T + k_bias, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_fp32_weights_are_prepacked_once():
+    layer = Linear(torch.randn(4, 4))
+    assert layer.onednn == torch.backends.mkldnn.is_available()
