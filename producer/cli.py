@@ -11,6 +11,7 @@ from producer import (
     stats,
     submit_cli,
     train_cli,
+    vocab_cli,
     worker_cli,
 )
 
@@ -33,6 +34,7 @@ for command in (
     submit_cli.verify,
     worker_cli.worker,
     train_cli.train_draft,
+    vocab_cli.draft_vocab,
     models_cli.models,
     bench_cli.bench,
 ):

@@ -7,7 +7,8 @@ Stages, each resumable under OUT:
   features  one target forward per conversation -> OUT/features/{train,val}/*.safetensors;
   train     the EAGLE objective, checkpoints in OUT/checkpoints (continue with --resume);
   evaluate  held-out loss / top-1 and tau of EAGLE-2 decoding on a few prompts;
-  head      OUT/head: config.json + model.safetensors (public EAGLE format) + README.md.
+  head      OUT/head: config.json + model.safetensors (public EAGLE format), the draft
+            vocabulary (draft_vocab.safetensors) and README.md.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from sqlalchemy import select
 
-from eagle2_core.config import DecodeConfig
+from eagle2_core.config import DRAFT_VOCAB_SIZE, DecodeConfig
 from eagle2_core.registry import DEFAULT_MODEL, ModelLoadError, encode_chat, shipped_draft
 from workers.db import iter_samples, jobs_t, make_engine
 
@@ -185,12 +186,20 @@ def model_card(summary: dict[str, Any], config: TrainConfig) -> str:
         f"- validation: {summary['validation_conversations']} held-out conversations, "
         f"{val['positions']} positions: loss {val['loss']:.4f}, top-1 agreement with the "
         f"target {val['top1']:.1%}",
+        f"- draft vocabulary: {_vocab_line(summary['draft_vocab'])}",
         f"- tau (EAGLE-2, T=0, default tree; {summary['tau_source']}): {_fmt_tau(tau)}",
         "",
         "Format: the public EAGLE checkpoint layout (config.json + model.safetensors, bf16);",
-        "the target's embedding table and lm_head are used, not stored.",
+        "the target's embedding table and lm_head are used, not stored; draft_vocab.safetensors",
+        "holds the draft vocabulary in EAGLE-3's d2t/t2d format.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _vocab_line(size: int | None) -> str:
+    if size is None:
+        return "the target's full vocabulary"
+    return f"the {size} tokens most frequent in the training answers (draft_vocab.safetensors)"
 
 
 def _init_head_dir(init_head: str, model: str) -> Path:
@@ -400,6 +409,14 @@ def ensure_answers(
     "head the package ships for MODEL. A checkpoint taken up with --resume wins over it.",
 )
 @click.option(
+    "--draft-vocab-size",
+    type=click.IntRange(min=0),
+    default=DRAFT_VOCAB_SIZE,
+    show_default=True,
+    help="The head drafts from the N tokens most frequent in its training answers "
+    "(written beside it as draft_vocab.safetensors); 0: the full vocabulary.",
+)
+@click.option(
     "--resume",
     is_flag=True,
     help="Continue training from OUT/checkpoints. Answers and features always "
@@ -426,6 +443,7 @@ def train_draft(
     precision: str,
     seed: int,
     init_head: str | None,
+    draft_vocab_size: int,
     resume: bool,
 ) -> None:
     """Train an EAGLE draft head for MODEL on its own answers to PROMPTS.
@@ -438,6 +456,7 @@ def train_draft(
     from eagle2_core.models import load_target
     from eagle2_core.train.data import count_answer_tokens, load_shards, write_feature_shards
     from eagle2_core.train.loop import TrainConfig, train
+    from eagle2_core.vocab import DraftVocab, count_tokens
 
     started = time.perf_counter()
     train_items, val_items = select_prompts(prompts, max_samples, val_samples)
@@ -490,9 +509,14 @@ def train_draft(
     source = list(_lines(eval_prompts)) if eval_prompts else val_items
     questions = [(messages, []) for _, messages in source[:eval_samples]]
     where = f"{eval_prompts.parent.name}/{eval_prompts.name}" if eval_prompts else "validation"
+    vocab = None
+    if draft_vocab_size:
+        counts = count_tokens(c.answer_ids for c in train_convs)
+        vocab = DraftVocab.most_frequent(counts, draft_vocab_size, target.vocab_size)
     tau = None
     if questions:  # the Engine casts the head to the target's dtype: measure after training
-        tau = measure_tau(Engine(target, head.eval()), questions, max_new_tokens, answer_batch_size)
+        engine = Engine(target, head.eval(), vocab)
+        tau = measure_tau(engine, questions, max_new_tokens, answer_batch_size)
     summary = {
         "model": model,
         "prompts": prompts.name,
@@ -509,9 +533,12 @@ def train_draft(
         "tau": tau,
         "tau_source": f"{len(questions)} first turns from {where}, {max_new_tokens} new tokens",
         "init_head": init_head,
+        "draft_vocab": len(vocab) if vocab is not None else None,
         "config": asdict(config),
         "seconds": round(time.perf_counter() - started, 1),
     }
     head_dir = save_draft(head, out / "head", card=model_card(summary, config))
+    if vocab is not None:
+        vocab.save(head_dir, target.vocab_size)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     click.echo(f"head written to {head_dir} (tau {_fmt_tau(tau)})")

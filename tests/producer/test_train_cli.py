@@ -14,6 +14,7 @@ import producer.train_cli as train_cli
 from eagle2_core.draft import load_draft, new_draft_head, save_draft
 from eagle2_core.models import load_target
 from eagle2_core.train.data import is_validation
+from eagle2_core.vocab import DraftVocab
 from producer.cli import main
 from tests.eagle2_core.tiny import tiny_target
 
@@ -73,6 +74,10 @@ def test_train_draft_end_to_end_and_resume(
     assert head.fc.weight.shape == (target.hidden_size, 2 * target.hidden_size)
     features = sorted(p.name for p in (out / "features" / "train").iterdir())
     assert features == ["shard-00000.safetensors"]
+    # The draft vocabulary: the tokens of the 8 training answers (at most 80 of 96 here).
+    vocab = DraftVocab.load(out / "head")
+    assert vocab is not None and 1 < len(vocab) <= 8 * 10 < target.vocab_size
+    assert summary["draft_vocab"] == len(vocab) and "draft vocabulary: the" in card
 
     # Again with --resume: no decoding, no features redone, training ends at its last step.
     def fail(*_args, **_kwargs):
