@@ -1,8 +1,10 @@
 """Acceptance length (tau) of a draft head on the evaluation sets: EAGLE-2 next to EAGLE-1.
 
-Greedy (T=0) first turns of each set, decoded in batches (tau does not depend on the
-batch: each sequence is decoded exactly as alone). Both modes must give the same tokens
-(greedy output is the target's); the script checks it and prints a Markdown table.
+Greedy (T=0) first turns of each set, decoded in batches. tau measures the head, so the
+tree is fixed (the reference's 60 nodes, top_k 10, depth 5, by default): with
+`--total-tokens auto` the tree, and so tau, would follow the device and the batch. With a
+fixed tree each sequence is decoded exactly as alone. Both modes must give the same
+tokens (greedy output is the target's); the script checks it and prints a Markdown table.
 
     python benchmarks/bench_tau.py --limit 10 --max-new-tokens 128
     python benchmarks/bench_tau.py --draft /work/train/smollm2/head --sets mt_bench
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from eagle2_core.config import DecodeConfig
+from eagle2_core.config import REFERENCE_TREE_TOKENS, DecodeConfig
 from eagle2_core.engine import load_engine
 from eagle2_core.registry import DEFAULT_MODEL, encode_chat
 
@@ -37,7 +39,13 @@ def first_turns(path: Path, limit: int) -> list[str]:
 @click.option("--limit", default=10, show_default=True, help="First N questions of each set.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--batch-size", default=8, show_default=True)
-def main(model, draft, sets, benchmarks, limit, max_new_tokens, batch_size) -> None:
+@click.option(
+    "--total-tokens",
+    default=REFERENCE_TREE_TOKENS,
+    show_default=True,
+    help="EAGLE-2's fixed tree size.",
+)
+def main(model, draft, sets, benchmarks, limit, max_new_tokens, batch_size, total_tokens) -> None:
     engine = load_engine(model, draft)
     rows = []
     for name in sets.split(","):
@@ -47,7 +55,9 @@ def main(model, draft, sets, benchmarks, limit, max_new_tokens, batch_size) -> N
         ]
         outputs, row = {}, {"set": name, "questions": len(ids)}
         for mode in ("eagle2", "eagle1"):
-            config = DecodeConfig(mode=mode, max_new_tokens=max_new_tokens)
+            config = DecodeConfig(
+                mode=mode, max_new_tokens=max_new_tokens, total_tokens=total_tokens
+            )
             start, rounds, cycles = time.perf_counter(), 0, 0
             for key, gen in engine.generate_batch(
                 [(i, p, config) for i, p in enumerate(ids)], batch_size

@@ -10,6 +10,9 @@ MODES = ("eagle2", "eagle1", "vanilla")
 # in its answers give the same tau as all of them (BENCHMARKS.md, "Draft vocabulary").
 DRAFT_VOCAB_SIZE = 8192
 AUTO = "auto"  # total_tokens: size every round's tree by this device's costs (plan.py)
+# The reference's fixed tree (top_k 10, depth 5, 60 nodes): a head's tau is measured on it,
+# since auto trees, and so tau, follow the device and the batch.
+REFERENCE_TREE_TOKENS = 60
 
 # Sequences decoded at once unless told otherwise. Measured on the 2-core CPU (BENCHMARKS.md,
 # "Batched decoding"): EAGLE-2 gives 3.7 / 5.8 / 8.8 tok/s at B = 1 / 4 / 16, plain

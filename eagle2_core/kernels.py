@@ -4,13 +4,14 @@ Decoding multiplies a handful of rows (one token, a small draft tree) by every w
 matrix of the model. On a CPU torch's default fp32 path (MKL sgemm through `F.linear`)
 repacks the weight on every call and runs a 2-8 row product at half the speed of a
 1-row one: on the 2-core dev VM (2026-12-01, AMD EPYC, AVX-512) the 30 decoder layers of
-SmolLM2-135M took 39 ms at 1 row, 59 ms at 2 and 50 ms at 16. oneDNN with the weight
+SmolLM2-135M took 40 ms at 1 row, 66 ms at 2 and 64 ms at 16. oneDNN with the weight
 reordered once into its blocked layout (`torch.ops.mkldnn._linear_pointwise`, what
-inductor's freezing pass emits) took 20 ms at 1, 2, 4 and 8 rows and 26 ms at 16: the
-weights stream at ~21 GB/s of the VM's ~31, and below ~10 rows a product costs about
-what one row does, which is what makes a draft tree cheap to verify
+inductor's freezing pass emits) took 21 ms at 1 and 2 rows, 16 at 4, 20 at 8 and 26 at
+16: the weights stream at ~21 GB/s of the VM's ~31, and below ~10 rows a product costs
+about what one row does, which is what makes a draft tree cheap to verify
 (benchmarks/bench_kernels.py). The dense to blocked conversion happens once, at load;
-inputs and outputs stay plain dense tensors.
+inputs and outputs stay plain dense tensors. The prepared copy doubles the weights in
+memory (the transformers model keeps its own for `generate` and training).
 
 On CUDA (and wherever oneDNN is missing) cuBLAS already handles skinny products well,
 so `F.linear` is used as is.

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from sqlalchemy import select
 
-from eagle2_core.config import DRAFT_VOCAB_SIZE, DecodeConfig
+from eagle2_core.config import DRAFT_VOCAB_SIZE, REFERENCE_TREE_TOKENS, DecodeConfig
 from eagle2_core.registry import DEFAULT_MODEL, ModelLoadError, encode_chat, shipped_draft
 from workers.db import iter_samples, jobs_t, make_engine
 
@@ -187,7 +187,8 @@ def model_card(summary: dict[str, Any], config: TrainConfig) -> str:
         f"{val['positions']} positions: loss {val['loss']:.4f}, top-1 agreement with the "
         f"target {val['top1']:.1%}",
         f"- draft vocabulary: {_vocab_line(summary['draft_vocab'])}",
-        f"- tau (EAGLE-2, T=0, default tree; {summary['tau_source']}): {_fmt_tau(tau)}",
+        f"- tau (EAGLE-2, T=0, the reference's 60-node tree; {summary['tau_source']}): "
+        f"{_fmt_tau(tau)}",
         "",
         "Format: the public EAGLE checkpoint layout (config.json + model.safetensors, bf16);",
         "the target's embedding table and lm_head are used, not stored; draft_vocab.safetensors",
@@ -215,8 +216,11 @@ def _init_head_dir(init_head: str, model: str) -> Path:
 def measure_tau(
     engine: Engine, questions: list[tuple[list[dict], list]], max_new_tokens: int, batch_size: int
 ) -> float | None:
-    """Greedy EAGLE-2 tau (default tree) over the questions' first turns, decoded in batches."""
-    config = DecodeConfig(mode="eagle2", max_new_tokens=max_new_tokens)
+    """Greedy EAGLE-2 tau (the reference's fixed tree) over the questions' first turns,
+    decoded in batches."""
+    config = DecodeConfig(
+        mode="eagle2", max_new_tokens=max_new_tokens, total_tokens=REFERENCE_TREE_TOKENS
+    )
     tokenizer = engine.target.tokenizer
     items = [(i, encode_chat(tokenizer, m), config) for i, (m, _) in enumerate(questions)]
     rounds = cycles = 0
