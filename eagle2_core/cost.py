@@ -129,7 +129,7 @@ def device_key(target: Target, head: LeanHead | None) -> str:
             target.vocab_size,
             str(target.dtype),
         ],
-        "head": None if head is None else [head.heads, head.head_dim, head.vocab_size],
+        "head": None if head is None else [head.shape.heads, head.shape.dim, head.vocab_size],
     }
     return json.dumps(parts, sort_keys=True)
 
@@ -297,7 +297,8 @@ def _draft_run(head: LeanHead, b: int, w: int) -> Callable[[], object]:
     dynamic.py does with a frontier of width w)."""
     device = head.embed.device
     dtype = head.embed.dtype
-    keys = torch.zeros(1, b, head.kv_heads, CONTEXT + w, head.head_dim, dtype=dtype, device=device)
+    shape = (1, b, head.shape.kv_heads, CONTEXT + w, head.shape.dim)
+    keys = torch.zeros(shape, dtype=dtype, device=device)
     values = torch.zeros_like(keys)
     tokens = torch.randint(0, head.embed.shape[0], (b, w), device=device)
     features = torch.randn(b, w, head.embed.shape[1], dtype=dtype, device=device)

@@ -38,8 +38,7 @@ class StaticDrafter:
         self.kv: BatchKV | None = None
 
     def reset(self) -> None:
-        head = self.head
-        self.kv = BatchKV(1, head.kv_heads, head.head_dim, head.embed.dtype, head.embed.device)
+        self.kv = self.head.kv()
         self.kv.add_row(0)
 
     @torch.inference_mode()

@@ -21,7 +21,6 @@ from typing import Protocol
 
 import torch
 
-from eagle2_core.kv import BatchKV
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.tree import Pool
 
@@ -71,8 +70,7 @@ class DynamicDrafter:
     def __init__(self, head: LeanHead, depth: int):
         self.head = head
         self.depth = depth
-        dtype, device = head.embed.dtype, head.embed.device
-        self.kv = BatchKV(1, head.kv_heads, head.head_dim, dtype, device)
+        self.kv = head.kv()
 
     @property
     def rows(self) -> int:

@@ -14,7 +14,8 @@ import torch
 
 from eagle2_core.draft import DraftHead
 from eagle2_core.kernels import Linear
-from eagle2_core.llama import attend, rms_norm, rotate
+from eagle2_core.kv import BatchKV
+from eagle2_core.llama import HeadShape, mlp, rms_norm, rope, self_attention
 from eagle2_core.models import Target
 from eagle2_core.vocab import DraftVocab
 
@@ -32,9 +33,7 @@ class LeanHead:
     down: Linear
     rotary: torch.nn.Module
     eps: float
-    heads: int
-    kv_heads: int
-    head_dim: int
+    shape: HeadShape
     embed: torch.Tensor
     lm_head: Linear
     token_ids: torch.Tensor  # [N] target id of each draft-vocabulary row
@@ -63,9 +62,7 @@ class LeanHead:
             down=Linear.of(mlp.down_proj),
             rotary=head.rotary,
             eps=head.config.rms_norm_eps,
-            heads=attn.n_heads,
-            kv_heads=attn.n_kv_heads,
-            head_dim=attn.head_dim,
+            shape=HeadShape(attn.n_heads, attn.n_kv_heads, attn.head_dim),
             embed=target.lean.embed,
             lm_head=lm_head,
             token_ids=token_ids,
@@ -74,6 +71,10 @@ class LeanHead:
     @property
     def vocab_size(self) -> int:
         return self.token_ids.shape[0]
+
+    def kv(self) -> BatchKV:
+        """An empty cache for the head's one layer."""
+        return BatchKV(1, self.shape.kv_heads, self.shape.dim, self.embed.dtype, self.embed.device)
 
     def step(
         self,
@@ -88,29 +89,14 @@ class LeanHead:
         """tokens (target ids) [B, T], features [B, T, H], positions [B, T] -> the head's
         output states [B, T, H]; keys/values [1, B, kv_heads, S, D] get the new entries at
         slots start.. (see llama.attend for the mask)."""
-        b, t = tokens.shape
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         embeds = torch.nn.functional.embedding(tokens, self.embed)
         x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
-        cos, sin = self.rotary(x, positions)
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        qkv = self.qkv(x)  # EAGLE's draft layer has no input norm
-        qk = rotate(
-            qkv[..., : (heads + kv_heads) * dim].view(b, t, heads + kv_heads, dim), cos, sin
+        angles = rope(self.rotary, x, positions)
+        # EAGLE's draft layer has no input norm
+        h = x + self_attention(
+            x, self.qkv, self.o, self.shape, angles, keys[0], values[0], start, mask
         )
-        v = qkv[..., (heads + kv_heads) * dim :].view(b, t, kv_heads, dim)
-        out = attend(
-            qk[:, :, :heads].transpose(1, 2),
-            qk[:, :, heads:].transpose(1, 2),
-            v.transpose(1, 2),
-            keys[0],
-            values[0],
-            start,
-            mask,
-        )
-        h = x + self.o(out.transpose(1, 2).reshape(b, t, heads * dim))
-        gate, up = self.gate_up(rms_norm(h, self.post_norm, self.eps)).chunk(2, dim=-1)
-        return h + self.down(torch.nn.functional.silu(gate) * up)
+        return h + mlp(rms_norm(h, self.post_norm, self.eps), self.gate_up, self.down)
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities over the draft vocabulary [..., N] (fp32)."""

@@ -27,6 +27,15 @@ class UnsupportedModelError(ValueError):
     """The target's architecture is not one the lean forward implements."""
 
 
+@dataclass(frozen=True)
+class HeadShape:
+    """Attention heads: query heads, key/value heads (fewer under GQA), head size."""
+
+    heads: int
+    kv_heads: int
+    dim: int
+
+
 @dataclass
 class Layer:
     input_norm: torch.Tensor
@@ -46,9 +55,7 @@ class LeanLlama:
     norm: torch.Tensor
     rotary: torch.nn.Module  # the model's own: (x, positions) -> cos, sin
     eps: float
-    heads: int
-    kv_heads: int
-    head_dim: int
+    shape: HeadShape
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> LeanLlama:
@@ -90,9 +97,11 @@ class LeanLlama:
             norm=body.norm.weight.detach(),
             rotary=body.rotary_emb,
             eps=config.rms_norm_eps,
-            heads=heads,
-            kv_heads=config.num_key_value_heads or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            shape=HeadShape(
+                heads,
+                config.num_key_value_heads or heads,
+                getattr(config, "head_dim", None) or config.hidden_size // heads,
+            ),
         )
 
 
@@ -131,6 +140,47 @@ def attend(
     )
 
 
+def rope(rotary: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor):
+    """cos, sin [B, T, 1, D] for positions [B, T], broadcast over heads."""
+    cos, sin = rotary(x, positions)
+    return cos[:, :, None], sin[:, :, None]
+
+
+def self_attention(
+    x: torch.Tensor,
+    qkv: Linear,
+    o: Linear,
+    shape: HeadShape,
+    angles: tuple[torch.Tensor, torch.Tensor],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The attention block of x [B, T, H] (already normalised): one q|k|v product, RoPE on
+    q and k together, the cache write (see `attend`), the output projection."""
+    b, t, _ = x.shape
+    heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.dim
+    mixed = qkv(x)
+    qk = rotate(mixed[..., : (heads + kv_heads) * dim].view(b, t, heads + kv_heads, dim), *angles)
+    v = mixed[..., (heads + kv_heads) * dim :].view(b, t, kv_heads, dim)
+    out = attend(
+        qk[:, :, :heads].transpose(1, 2),
+        qk[:, :, heads:].transpose(1, 2),
+        v.transpose(1, 2),
+        keys,
+        values,
+        start,
+        mask,
+    )
+    return o(out.transpose(1, 2).reshape(b, t, heads * dim))
+
+
+def mlp(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return down(F.silu(gate) * up)
+
+
 def forward(
     model: LeanLlama,
     ids: torch.Tensor,
@@ -145,27 +195,19 @@ def forward(
     keys, values [layers, B, kv_heads, S, D] (`BatchKV.layer_views`): the new entries go to
     slots start..start+T. mask: see `attend`.
     """
-    b, t = ids.shape
-    heads, kv_heads, dim = model.heads, model.kv_heads, model.head_dim
     x = F.embedding(ids, model.embed)
-    cos, sin = model.rotary(x, positions)
-    cos, sin = cos[:, :, None], sin[:, :, None]
+    angles = rope(model.rotary, x, positions)
     for index, layer in enumerate(model.layers):
-        qkv = layer.qkv(rms_norm(x, layer.input_norm, model.eps))
-        qk = rotate(
-            qkv[..., : (heads + kv_heads) * dim].view(b, t, heads + kv_heads, dim), cos, sin
-        )
-        v = qkv[..., (heads + kv_heads) * dim :].view(b, t, kv_heads, dim)
-        out = attend(
-            qk[:, :, :heads].transpose(1, 2),
-            qk[:, :, heads:].transpose(1, 2),
-            v.transpose(1, 2),
+        x = x + self_attention(
+            rms_norm(x, layer.input_norm, model.eps),
+            layer.qkv,
+            layer.o,
+            model.shape,
+            angles,
             keys[index],
             values[index],
             start,
             mask,
         )
-        x = x + layer.o(out.transpose(1, 2).reshape(b, t, heads * dim))
-        gate, up = layer.gate_up(rms_norm(x, layer.post_norm, model.eps)).chunk(2, dim=-1)
-        x = x + layer.down(F.silu(gate) * up)
+        x = x + mlp(rms_norm(x, layer.post_norm, model.eps), layer.gate_up, layer.down)
     return rms_norm(x, model.norm, model.eps)

@@ -66,7 +66,8 @@ class Target:
     def kv(self) -> BatchKV:
         """An empty KV cache for this model's layers."""
         lean = self.lean
-        return BatchKV(len(lean.layers), lean.kv_heads, lean.head_dim, self.dtype, self.device)
+        shape = lean.shape
+        return BatchKV(len(lean.layers), shape.kv_heads, shape.dim, self.dtype, self.device)
 
 
 def dequantise_gguf(directory: Path, gguf_file: str, cached: Path) -> Path:
