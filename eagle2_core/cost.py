@@ -149,8 +149,14 @@ def _cache_path(key: str) -> Path:
     return cache_root() / "costs" / f"{digest}.json"
 
 
-def load_or_measure(target: Target, head: LeanHead | None, max_batch: int) -> CostModel:
-    """The cached table for this device and model, measured now if missing or stale."""
+def load_or_measure(
+    target: Target,
+    head: LeanHead | None,
+    max_batch: int,
+    on_measure: Callable[[Path], object] | None = None,
+) -> CostModel:
+    """The cached table for this device and model, measured now if missing or stale
+    (on_measure(cache file) is told first: it takes half a minute on a CPU)."""
     key = device_key(target, head)
     path = _cache_path(key)
     try:
@@ -161,6 +167,8 @@ def load_or_measure(target: Target, head: LeanHead | None, max_batch: int) -> Co
     except (OSError, ValueError, TypeError):
         pass
     log.info("measuring forward costs on this device (once; cached in %s)", path)
+    if on_measure is not None:
+        on_measure(path)
     started = time.perf_counter()
     model = measure(target, head, max_batch, key)
     log.info("forward costs measured in %.1f s", time.perf_counter() - started)

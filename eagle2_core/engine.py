@@ -8,7 +8,7 @@ on first use) and the planner's running calibration. Decoding itself is decoder.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -57,12 +57,16 @@ class Engine:
         self.calibration = Calibration()
         self._costs: CostModel | None = None
 
-    def costs(self, batch_size: int = DEFAULT_BATCH_SIZE) -> CostModel:
+    def costs(
+        self,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        on_measure: Callable[[Path], object] | None = None,
+    ) -> CostModel:
         """This device's cost table, up to DEFAULT_BATCH_SIZE rows at least, so one
         measurement serves one sequence and a worker's batches alike (cached on disk)."""
         largest = max(batch_size, DEFAULT_BATCH_SIZE)
         if self._costs is None or max(self._costs.batch_grid) < largest:
-            self._costs = load_or_measure(self.target, self.lean_head, largest)
+            self._costs = load_or_measure(self.target, self.lean_head, largest, on_measure)
         return self._costs
 
     def drafter_for(self, config: DecodeConfig) -> Drafter | None:

@@ -21,7 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tqdm import tqdm
 
 import migrations
-from eagle2_core.config import DEFAULT_BATCH_SIZE
+from eagle2_core.config import AUTO, DEFAULT_BATCH_SIZE
 from producer.jobs import JobSpec, input_fingerprint
 from producer.stats import STATS_COLUMNS, compute_stats, format_stats
 from producer.submit_cli import (
@@ -77,6 +77,14 @@ def _load_decoder(spec: JobSpec, device: str, batch_size: int | None) -> Any:
         )
     except (DraftUnavailableError, DraftCheckpointError, ModelLoadError, OSError) as exc:
         raise click.ClickException(str(exc).strip().splitlines()[0]) from exc
+
+
+def _announce_measuring(path: Path) -> None:
+    click.echo(
+        "measuring this machine's forward costs for --total-tokens auto (once, about half "
+        f"a minute on a CPU; cached in {path})",
+        err=True,
+    )
 
 
 def _decode(engine: Engine, decoder: Any, job_id: str, out: Path) -> None:
@@ -179,6 +187,8 @@ def run(
             assert new_id is not None
             job_id = new_id
         decoder = _load_decoder(spec, device, batch_size)
+        if spec.mode == "eagle2" and spec.params.get("total_tokens") == AUTO:
+            decoder.engine.costs(decoder.batch_size, on_measure=_announce_measuring)
         try:
             _decode(engine, decoder, job_id, settings.output_dir)
         except KeyboardInterrupt:

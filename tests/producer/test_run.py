@@ -63,10 +63,13 @@ def stored_samples(database_file: Path) -> int | str:
         return str(exc)
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, cwd: Path, cache: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = run_env()
+    if cache is not None:
+        env["EAGLE2_CACHE_DIR"] = str(cache)
     return subprocess.run(
         [EAGLE2_BATCH, "run", *args],
-        env=run_env(),
+        env=env,
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -143,6 +146,22 @@ def test_run_eagle2_with_a_draft_head(tiny: tuple[Path, Path], tmp_path: Path) -
     assert sum(table.column("n_cycles").to_pylist()) > 0  # draft + verify cycles ran
     meta = pq.read_schema(next((out / f"job={job_id}").glob("*.parquet"))).metadata
     assert json.loads(meta[b"params"])["total_tokens"] == 8
+
+
+def test_auto_trees_measure_the_machine_once_and_say_so(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, head = tiny
+    cache = tmp_path / "cache"
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3, bad=False)
+    args = [str(prompts), "--model", str(model), "--draft", str(head), "--max-new-tokens", "4"]
+    first = run_cli(*args, "--out", str(tmp_path / "a"), cwd=tmp_path, cache=cache)
+    assert first.returncode == 0, first.stderr
+    assert "measuring this machine's forward costs" in first.stderr
+    assert len(list((cache / "costs").glob("*.json"))) == 1
+    second = run_cli(*args, "--out", str(tmp_path / "b"), cwd=tmp_path, cache=cache)
+    assert second.returncode == 0, second.stderr
+    assert "measuring" not in second.stderr  # read from the cache
 
 
 def test_interrupted_run_resumes_where_it_stopped(tiny: tuple[Path, Path], tmp_path: Path) -> None:
