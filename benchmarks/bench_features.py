@@ -30,7 +30,7 @@ def main() -> None:
     target = load_target("smollm2-135m")
     lines = PROMPTS.read_text(encoding="utf-8").splitlines()[:384:12]
     conversations = [
-        Conversation(
+        Conversation.of(
             str(i),
             tuple(
                 encode_chat(

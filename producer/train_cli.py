@@ -172,10 +172,9 @@ def model_card(summary: dict[str, Any], config: TrainConfig) -> str:
         "Trained with `eagle2-batch train-draft`: self-distillation with the EAGLE objective",
         "(SmoothL1 on the next feature + 0.1 x soft cross-entropy through the frozen lm_head).",
         "",
-        f"- data: {summary['train_conversations']} answers written by the target itself to "
-        f"prompts from `{summary['prompts']}`, {summary['train_answer_tokens']} answer tokens "
-        f"(temperature {summary['temperature']}, at most {summary['max_new_tokens']} new "
-        "tokens); the validation split (sha256(id) % 50 == 0) held out",
+        f"- data: {summary['train_conversations']} conversations, "
+        f"{summary['train_answer_tokens']} answer tokens: {_sources(summary)}; the "
+        "validation split (sha256(id) % 50 == 0) held out",
         f"- training: {summary['steps']} steps, {config.epochs} epochs of batch "
         f"{config.batch_size}; AdamW lr {config.lr:g}, betas {config.betas}, "
         f"{config.warmup_steps} warm-up steps then {config.schedule}; gradient clip "
@@ -195,6 +194,85 @@ def model_card(summary: dict[str, Any], config: TrainConfig) -> str:
         "holds the draft vocabulary in EAGLE-3's d2t/t2d format.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def read_conversations(
+    target: Target, path: Path, max_train: int, max_val: int, max_len: int
+) -> tuple[list[Conversation], list[Conversation]]:
+    """Hash-ordered training and validation conversations of a file with answers (as
+    select_prompts orders prompts: a larger pick keeps the smaller as its prefix)."""
+    from eagle2_core.train.data import conversation_from_messages, is_validation
+
+    def rank(obj: dict) -> str:
+        return hashlib.sha256(f"select:{obj['id']}".encode()).hexdigest()
+
+    lines = []
+    with path.open(encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise click.ClickException(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+            if not isinstance(obj.get("messages"), list):
+                raise click.ClickException(f"{path}:{line_no}: no `messages` list")
+            obj.setdefault("id", f"line-{line_no}")
+            lines.append(obj)
+    lines.sort(key=rank)
+    train_lines = [o for o in lines if not is_validation(str(o["id"]))]
+    val_lines = [o for o in lines if is_validation(str(o["id"]))][:max_val]
+    if max_train:
+        train_lines = train_lines[:max_train]
+
+    def convert(objs: list[dict]) -> list[Conversation]:
+        made = (
+            conversation_from_messages(target.tokenizer, str(o["id"]), o["messages"], max_len)
+            for o in objs
+        )
+        return [c for c in made if c is not None]
+
+    return convert(train_lines), convert(val_lines)
+
+
+def _token_counts(text: str) -> list[int]:
+    try:
+        return sorted(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not a list of numbers", param_hint="--snapshot-tokens"
+        ) from None
+
+
+def _snapshots(directory: Path, counts: list[int], vocab, target: Target):
+    """on_step for train(): a copy of the head each time tokens seen pass a count."""
+    from eagle2_core.draft import save_draft
+
+    pending = list(counts)
+
+    def on_step(step: int, tokens_seen: int, head) -> None:
+        while pending and tokens_seen >= pending[0]:
+            where = save_draft(head, directory / f"tokens-{pending.pop(0)}")
+            if vocab is not None:
+                vocab.save(where, target.vocab_size)
+            (where / "snapshot.json").write_text(
+                json.dumps({"step": step, "tokens_seen": tokens_seen})
+            )
+
+    return on_step
+
+
+def _sources(summary: dict[str, Any]) -> str:
+    parts = []
+    if summary["prompts"]:
+        parts.append(
+            f"answers written by the target itself to prompts from `{summary['prompts']}` "
+            f"(temperature {summary['temperature']}, at most {summary['max_new_tokens']} "
+            "new tokens)"
+        )
+    if summary["conversations"]:
+        parts.append(f"the answer turns of `{summary['conversations']}`")
+    return " and ".join(parts)
 
 
 def _vocab_line(size: int | None) -> str:
@@ -280,11 +358,32 @@ def ensure_answers(
 )
 @click.option(
     "--prompts",
-    required=True,
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSONL prompts ({id, prompt} or {id, messages}), e.g. "
-    "shared/datasets/train_prompts.jsonl. Ids in the validation split "
-    "(sha256(id) % 50 == 0) are only used to measure the head.",
+    help="JSONL prompts ({id, prompt} or {id, messages}) the target answers itself "
+    "(self-distillation), e.g. shared/datasets/train_prompts.jsonl. Ids in the "
+    "validation split (sha256(id) % 50 == 0) are only used to measure the head.",
+)
+@click.option(
+    "--conversations",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL conversations that already have answers ({id, messages} with assistant "
+    "turns), e.g. shared/datasets/train_conversations.jsonl: every answer turn is "
+    "trained on, nothing is decoded. Validation-split ids only measure the head. With "
+    "--prompts too, both are mixed.",
+)
+@click.option(
+    "--max-conversations",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Training conversations taken from --conversations (a fixed hash-ordered pick; "
+    "0: all of them).",
+)
+@click.option(
+    "--snapshot-tokens",
+    default="",
+    help="Comma-separated answer-token counts (e.g. 200000,1000000) at which a copy of "
+    "the head is written to OUT/snapshots/tokens-N: the returns on data, from one run.",
 )
 @click.option(
     "--out",
@@ -428,7 +527,10 @@ def ensure_answers(
 )
 def train_draft(
     model: str,
-    prompts: Path,
+    prompts: Path | None,
+    conversations: Path | None,
+    max_conversations: int,
+    snapshot_tokens: str,
     out: Path,
     max_samples: int,
     val_samples: int,
@@ -450,10 +552,17 @@ def train_draft(
     draft_vocab_size: int,
     resume: bool,
 ) -> None:
-    """Train an EAGLE draft head for MODEL on its own answers to PROMPTS.
+    """Train an EAGLE draft head for MODEL on its own answers to PROMPTS and/or on
+    CONVERSATIONS that have answers.
 
-    Stages: answers -> features -> train -> evaluate -> head. The head is written to
-    OUT/head and can be passed as --draft; OUT/summary.json holds the numbers.
+    Stages: answers (for PROMPTS) -> features -> train -> evaluate -> head. The head is
+    written to OUT/head and can be passed as --draft; OUT/summary.json holds the numbers.
+
+    \b
+    Examples:
+      eagle2-batch train-draft --prompts train_prompts.jsonl --out work/ --max-samples 2000
+      eagle2-batch train-draft --conversations train_conversations.jsonl --out work/ \\
+          --prompts train_prompts.jsonl --max-samples 1000 --snapshot-tokens 200000,1000000
     """
     from eagle2_core.draft import DraftCheckpointError, load_draft, new_draft_head, save_draft
     from eagle2_core.engine import Engine
@@ -463,19 +572,25 @@ def train_draft(
     from eagle2_core.vocab import DraftVocab, count_tokens
 
     started = time.perf_counter()
-    train_items, val_items = select_prompts(prompts, max_samples, val_samples)
-    if not train_items:
-        raise click.ClickException(f"{prompts} has no training prompts")
-    answers = ensure_answers(
-        out,
-        train_items + val_items,
-        model,
-        max_new_tokens,
-        temperature,
-        seed,
-        device,
-        answer_batch_size,
-    )
+    if prompts is None and conversations is None:
+        raise click.UsageError("give --prompts, --conversations or both")
+    train_items, val_items = [], []
+    if prompts is not None:
+        train_items, val_items = select_prompts(prompts, max_samples, val_samples)
+        if not train_items:
+            raise click.ClickException(f"{prompts} has no training prompts")
+    answers = {}
+    if train_items or val_items:
+        answers = ensure_answers(
+            out,
+            train_items + val_items,
+            model,
+            max_new_tokens,
+            temperature,
+            seed,
+            device,
+            answer_batch_size,
+        )
 
     try:
         target = load_target(model, device=device)
@@ -483,6 +598,12 @@ def train_draft(
         raise click.ClickException(str(exc)) from None
     train_convs = build_conversations(target, train_items, answers, max_len)
     val_convs = build_conversations(target, val_items, answers, max_len)
+    if conversations is not None:
+        given_train, given_val = read_conversations(
+            target, conversations, max_conversations, val_samples, max_len
+        )
+        train_convs += given_train
+        val_convs += given_val
     if not train_convs:
         raise click.ClickException(f"no training prompt got an answer; see {out / 'answers'}")
     train_data = load_shards(write_feature_shards(target, train_convs, out / "features/train"))
@@ -498,6 +619,10 @@ def train_draft(
         seed=seed,
         device=device,
     )
+    vocab = None
+    if draft_vocab_size:
+        counts = count_tokens(c.answer_ids for c in train_convs)
+        vocab = DraftVocab.most_frequent(counts, draft_vocab_size, target.vocab_size)
     if init_head is None:
         head = new_draft_head(target.model.config, seed=seed)
     else:
@@ -505,7 +630,17 @@ def train_draft(
             head = load_draft(_init_head_dir(init_head, model), target.model.config)
         except DraftCheckpointError as exc:
             raise click.ClickException(f"--init-head: {exc}") from None
-    result = train(head, target, train_data, config, out / "checkpoints", resume, val_data)
+    result = train(
+        head,
+        target,
+        train_data,
+        config,
+        out / "checkpoints",
+        resume,
+        val_data,
+        vocab_ids=vocab.ids if vocab is not None else None,
+        on_step=_snapshots(out / "snapshots", _token_counts(snapshot_tokens), vocab, target),
+    )
     if result.validation is not None:
         v = result.validation
         click.echo(f"validation: loss {v.loss:.4f}, top-1 {v.top1:.1%} over {v.positions} tokens")
@@ -513,17 +648,14 @@ def train_draft(
     source = list(_lines(eval_prompts)) if eval_prompts else val_items
     questions = [(messages, []) for _, messages in source[:eval_samples]]
     where = f"{eval_prompts.parent.name}/{eval_prompts.name}" if eval_prompts else "validation"
-    vocab = None
-    if draft_vocab_size:
-        counts = count_tokens(c.answer_ids for c in train_convs)
-        vocab = DraftVocab.most_frequent(counts, draft_vocab_size, target.vocab_size)
     tau = None
     if questions:  # the Engine casts the head to the target's dtype: measure after training
         engine = Engine(target, head.eval(), vocab)
         tau = measure_tau(engine, questions, max_new_tokens, answer_batch_size)
     summary = {
         "model": model,
-        "prompts": prompts.name,
+        "prompts": prompts.name if prompts is not None else None,
+        "conversations": conversations.name if conversations is not None else None,
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
         "train_conversations": len(train_convs),

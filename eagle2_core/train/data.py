@@ -37,15 +37,21 @@ def is_validation(sample_id: str) -> bool:
 
 @dataclass(frozen=True)
 class Conversation:
-    """One training example: the chat-formatted prompt and the target's answer, as ids."""
+    """One training example as ids, and which of them are answer tokens (the loss's)."""
 
     id: str
-    prompt_ids: tuple[int, ...]
-    answer_ids: tuple[int, ...]
+    ids: tuple[int, ...]
+    answer_mask: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, sample_id: str, prompt_ids: Sequence[int], answer_ids: Sequence[int]):
+        """A prompt and one answer to it."""
+        ids = tuple(prompt_ids) + tuple(answer_ids)
+        return cls(sample_id, ids, (False,) * len(prompt_ids) + (True,) * len(answer_ids))
 
     @property
-    def ids(self) -> tuple[int, ...]:
-        return self.prompt_ids + self.answer_ids
+    def answer_ids(self) -> tuple[int, ...]:
+        return tuple(t for t, answer in zip(self.ids, self.answer_mask, strict=True) if answer)
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,38 @@ def make_conversation(
     answer_ids = answer_ids[: max(0, max_len - len(prompt_ids))]
     if not answer_ids:
         return None
-    return Conversation(sample_id, tuple(prompt_ids), tuple(answer_ids))
+    return Conversation.of(sample_id, prompt_ids, answer_ids)
+
+
+def conversation_from_messages(
+    tokenizer, sample_id: str, messages: list[dict], max_len: int
+) -> Conversation | None:
+    """A whole conversation with its answers (assistant turns) as the loss's tokens, as
+    decoding sees them: each answer tokenized after the chat template's prompt for the
+    turns before it, closed by the end-of-turn token. None when no answer token fits.
+
+    A template that does not render earlier turns as a prefix of later ones (some drop
+    old reasoning, say) starts the example again at that turn: earlier answers are then
+    context, not loss."""
+    stop = end_of_turn_id(tokenizer)
+    ids: list[int] = []
+    mask: list[bool] = []
+    for turn, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prompt = encode_chat(tokenizer, messages[:turn])
+        if prompt[: len(ids)] != ids:
+            ids, mask = [], []
+        mask += [False] * (len(prompt) - len(ids))
+        ids = list(prompt)
+        answer = list(tokenizer(message["content"], add_special_tokens=False)["input_ids"])
+        answer += [stop] if stop is not None else []
+        ids += answer
+        mask += [True] * len(answer)
+    ids, mask = ids[:max_len], mask[:max_len]
+    if not any(mask):
+        return None
+    return Conversation(sample_id, tuple(ids), tuple(mask))
 
 
 @torch.inference_mode()
@@ -109,8 +146,7 @@ def conversation_features(
     features = features.to("cpu", torch.bfloat16)
     sequences = []
     for row, conversation in enumerate(conversations):
-        mask = torch.zeros(lengths[row], dtype=torch.bool)
-        mask[len(conversation.prompt_ids) :] = True
+        mask = torch.tensor(conversation.answer_mask, dtype=torch.bool)
         sequences.append(
             FeatureSequence(ids[row, : lengths[row]], features[row, : lengths[row]], mask)
         )
@@ -150,7 +186,7 @@ def _digest(conversations: Sequence[Conversation], model_name: str) -> str:
     """Identifies a shard's content, so a stale shard (other answers, other model) is redone."""
     h = hashlib.sha256(model_name.encode())
     for c in conversations:
-        h.update(json.dumps([c.id, c.prompt_ids, c.answer_ids]).encode())
+        h.update(json.dumps([c.id, c.ids, c.answer_mask]).encode())
     return h.hexdigest()
 
 

@@ -53,10 +53,28 @@ def test_train_draft_end_to_end_and_resume(
 ) -> None:
     out = tmp_path / "out"
     args = [
-        "train-draft", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out),
-        "--max-samples", "8", "--val-samples", "2", "--epochs", "2", "--batch-size", "4",
-        "--max-new-tokens", "10", "--checkpoint-every", "2", "--eval-samples", "2",
-    ]  # fmt: skip
+        "train-draft",
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--max-samples",
+        "8",
+        "--val-samples",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--max-new-tokens",
+        "10",
+        "--checkpoint-every",
+        "2",
+        "--eval-samples",
+        "2",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "head written to" in result.output
@@ -110,10 +128,28 @@ def test_init_head_fine_tunes_the_given_head(
     target = load_target(str(model_dir))
     start = save_draft(new_draft_head(target.model.config, seed=11), tmp_path / "start")
     args = [
-        "train-draft", "--model", str(model_dir), "--prompts", str(prompts),
-        "--max-samples", "4", "--val-samples", "0", "--epochs", "1", "--batch-size", "4",
-        "--max-new-tokens", "6", "--eval-samples", "0", "--lr", "1e-9", "--warmup-steps", "0",
-    ]  # fmt: skip
+        "train-draft",
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--max-samples",
+        "4",
+        "--val-samples",
+        "0",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--eval-samples",
+        "0",
+        "--lr",
+        "1e-9",
+        "--warmup-steps",
+        "0",
+    ]
     out = tmp_path / "out"
     result = CliRunner().invoke(main, [*args, "--out", str(out), "--init-head", str(start)])
     assert result.exit_code == 0, result.output + repr(result.exception)
@@ -131,3 +167,62 @@ def test_init_head_fine_tunes_the_given_head(
     assert bad.exit_code != 0 and "--init-head" in bad.output and "nowhere" in bad.output
     shipped = CliRunner().invoke(main, [*args, "--out", str(out), "--init-head", "shipped"])
     assert shipped.exit_code != 0 and "ships no head" in shipped.output
+
+
+def test_train_draft_on_conversations_decodes_nothing_and_snapshots(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = [f"alpaca-{i:05d}" for i in range(12)] + VALIDATION_IDS
+    lines = [
+        {
+            "id": i,
+            "messages": [
+                {"role": "user", "content": f"t{7 + n} t{20 + n}"},
+                {
+                    "role": "assistant",
+                    "content": " ".join(f"t{30 + (n + k) % 40}" for k in range(8)),
+                },
+            ],
+        }
+        for n, i in enumerate(ids)
+    ]
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    monkeypatch.setattr(
+        train_cli, "generate_answers", lambda *a: pytest.fail("conversations need no decoding")
+    )
+    out = tmp_path / "out"
+    args = [
+        "train-draft",
+        "--model",
+        str(model_dir),
+        "--conversations",
+        str(path),
+        "--out",
+        str(out),
+        "--max-conversations",
+        "10",
+        "--val-samples",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--eval-samples",
+        "0",
+        "--snapshot-tokens",
+        "40,90",
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["train_conversations"] == 10 and summary["validation_conversations"] == 2
+    assert summary["train_answer_tokens"] == 10 * 9  # 8 words and the end-of-turn each
+    assert summary["prompts"] is None and summary["conversations"] == "conversations.jsonl"
+    assert "answer turns of `conversations.jsonl`" in (out / "head" / "README.md").read_text()
+    for count in (40, 90):
+        snapshot = out / "snapshots" / f"tokens-{count}"
+        assert json.loads((snapshot / "snapshot.json").read_text())["tokens_seen"] >= count
+        assert load_draft(snapshot) is not None and DraftVocab.load(snapshot) is not None
+    bad = CliRunner().invoke(main, ["train-draft", "--model", str(model_dir), "--out", str(out)])
+    assert bad.exit_code == 2 and "--prompts, --conversations or both" in bad.output

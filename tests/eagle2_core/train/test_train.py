@@ -19,6 +19,7 @@ from eagle2_core.train import data as data_module
 from eagle2_core.train.data import (
     Conversation,
     conversation_features,
+    conversation_from_messages,
     is_validation,
     length_batches,
     load_shards,
@@ -74,15 +75,50 @@ def test_make_conversation_appends_end_of_turn_and_truncates(target: Target) -> 
     messages = [{"role": "user", "content": "t5 t6"}]
     prompt = encode_chat(target.tokenizer, messages)
     stopped = make_conversation(target.tokenizer, "a", messages, "t7 t8", True, 100)
-    assert stopped.prompt_ids == tuple(prompt)
-    assert stopped.answer_ids == (7, 8, 1)  # t1 is the tiny tokenizer's EOS
+    assert stopped.ids == (*prompt, 7, 8, 1)  # t1 is the tiny tokenizer's EOS
+    assert stopped.answer_ids == (7, 8, 1)
     cut = make_conversation(target.tokenizer, "a", messages, "t7 t8", False, len(prompt) + 1)
     assert cut.answer_ids == (7,)
     assert make_conversation(target.tokenizer, "a", messages, "t7", False, len(prompt)) is None
 
 
+TURNS_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}t3 {{ m['content'] }} t1 "
+    "{% else %}t2 {{ m['content'] }} t1 {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}t2{% endif %}"
+)
+CONVERSATION = [
+    {"role": "user", "content": "t5 t6"},
+    {"role": "assistant", "content": "t7 t8"},
+    {"role": "user", "content": "t9"},
+    {"role": "assistant", "content": "t20"},  # not t1x: "t1" is EOS, matched inside words
+]
+
+
+def test_a_conversation_trains_on_every_answer_turn(target: Target) -> None:
+    tokenizer = target.tokenizer
+    tokenizer.chat_template = TURNS_TEMPLATE  # turns render as prefixes of later ones
+    try:
+        c = conversation_from_messages(tokenizer, "m", CONVERSATION, 100)
+        assert c.ids == (3, 5, 6, 1, 2, 7, 8, 1, 3, 9, 1, 2, 20, 1)
+        assert c.answer_ids == (7, 8, 1, 20, 1)  # each answer closed by end-of-turn t1
+        assert c.answer_mask[:5] == (False,) * 5
+        cut = conversation_from_messages(tokenizer, "m", CONVERSATION, 7)
+        assert cut.ids == (3, 5, 6, 1, 2, 7, 8) and cut.answer_ids == (7, 8)
+        assert conversation_from_messages(tokenizer, "m", CONVERSATION[:1], 100) is None
+    finally:
+        tokenizer.chat_template = None
+
+
+def test_a_template_that_rewrites_history_restarts_at_the_turn(target: Target) -> None:
+    # The plain fallback renders a turn without its end-of-turn token: not a prefix.
+    c = conversation_from_messages(target.tokenizer, "m", CONVERSATION, 100)
+    assert c.answer_ids == (20, 1)  # the first answer is context only
+    assert list(c.ids[:-2]) == encode_chat(target.tokenizer, CONVERSATION[:3])
+
+
 def test_features_align_with_tokens_and_mask_covers_the_answer(target: Target) -> None:
-    conversation = Conversation("x", (4, 9, 12, 30), (40, 41, 42))
+    conversation = Conversation.of("x", (4, 9, 12, 30), (40, 41, 42))
     (seq,) = conversation_features(target, [conversation])
     assert seq.input_ids.tolist() == [4, 9, 12, 30, 40, 41, 42]
     assert seq.features.shape == (7, target.hidden_size)
@@ -143,7 +179,7 @@ def test_feature_shards_roundtrip_and_resume(
         "conversation_features",
         lambda t, cs: calls.extend(c.id for c in cs) or real(t, cs),
     )
-    changed = [*conversations[:4], Conversation("new", (5, 6), (7,))]
+    changed = [*conversations[:4], Conversation.of("new", (5, 6), (7,))]
     write_feature_shards(target, changed, tmp_path, shard_size=2, progress=False)
     assert calls == ["new"]  # shards 0 and 1 are unchanged
     # Fewer conversations than before: the surplus shard is removed.
