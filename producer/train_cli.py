@@ -270,8 +270,8 @@ def _sources(summary: dict[str, Any]) -> str:
             f"(temperature {summary['temperature']}, at most {summary['max_new_tokens']} "
             "new tokens)"
         )
-    if summary["conversations"]:
-        parts.append(f"the answer turns of `{summary['conversations']}`")
+    for name in summary["conversations"]:
+        parts.append(f"the answer turns of `{name}`")
     return " and ".join(parts)
 
 
@@ -365,19 +365,20 @@ def ensure_answers(
 )
 @click.option(
     "--conversations",
+    multiple=True,
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="JSONL conversations that already have answers ({id, messages} with assistant "
     "turns), e.g. shared/datasets/train_conversations.jsonl: every answer turn is "
-    "trained on, nothing is decoded. Validation-split ids only measure the head. With "
-    "--prompts too, both are mixed.",
+    "trained on, nothing is decoded. Validation-split ids only measure the head. "
+    "Repeatable; with --prompts too, all are mixed.",
 )
 @click.option(
     "--max-conversations",
     default=0,
     show_default=True,
     type=click.IntRange(0),
-    help="Training conversations taken from --conversations (a fixed hash-ordered pick; "
-    "0: all of them).",
+    help="Training conversations taken from each --conversations file (a fixed "
+    "hash-ordered pick; 0: all of them).",
 )
 @click.option(
     "--snapshot-tokens",
@@ -528,7 +529,7 @@ def ensure_answers(
 def train_draft(
     model: str,
     prompts: Path | None,
-    conversations: Path | None,
+    conversations: tuple[Path, ...],
     max_conversations: int,
     snapshot_tokens: str,
     out: Path,
@@ -572,7 +573,7 @@ def train_draft(
     from eagle2_core.vocab import DraftVocab, count_tokens
 
     started = time.perf_counter()
-    if prompts is None and conversations is None:
+    if prompts is None and not conversations:
         raise click.UsageError("give --prompts, --conversations or both")
     train_items, val_items = [], []
     if prompts is not None:
@@ -598,9 +599,9 @@ def train_draft(
         raise click.ClickException(str(exc)) from None
     train_convs = build_conversations(target, train_items, answers, max_len)
     val_convs = build_conversations(target, val_items, answers, max_len)
-    if conversations is not None:
+    for path in conversations:
         given_train, given_val = read_conversations(
-            target, conversations, max_conversations, val_samples, max_len
+            target, path, max_conversations, val_samples, max_len
         )
         train_convs += given_train
         val_convs += given_val
@@ -655,7 +656,7 @@ def train_draft(
     summary = {
         "model": model,
         "prompts": prompts.name if prompts is not None else None,
-        "conversations": conversations.name if conversations is not None else None,
+        "conversations": [path.name for path in conversations],
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
         "train_conversations": len(train_convs),

@@ -218,7 +218,7 @@ def test_train_draft_on_conversations_decodes_nothing_and_snapshots(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["train_conversations"] == 10 and summary["validation_conversations"] == 2
     assert summary["train_answer_tokens"] == 10 * 9  # 8 words and the end-of-turn each
-    assert summary["prompts"] is None and summary["conversations"] == "conversations.jsonl"
+    assert summary["prompts"] is None and summary["conversations"] == ["conversations.jsonl"]
     assert "answer turns of `conversations.jsonl`" in (out / "head" / "README.md").read_text()
     for count in (40, 90):
         snapshot = out / "snapshots" / f"tokens-{count}"
