@@ -169,7 +169,7 @@ def format_stats(job: Mapping[str, Any], stats: Mapping[str, Any], by: str | Non
     overall = stats["overall"]
     lines = [
         f"job {job['id']}  state={job['state']}  model={job['model']}  "
-        f"draft={draft_label(job['model'], job['draft'], job['mode']) or '-'}  mode={job['mode']}",
+        f"draft={job_draft(job) or '-'}  mode={job['mode']}",
         f"expected {job['n_expected']}  stored {overall['samples']}  rejected lines "
         f"{job['n_rejected']}",
         "",
@@ -232,6 +232,18 @@ def format_stats(job: Mapping[str, Any], stats: Mapping[str, Any], by: str | Non
         ):
             lines.append(f"  {depth:>2}  {acc:>9} / {att:<9}  {_fmt(rate, 3)}")
     return "\n".join(lines)
+
+
+def job_draft(job: Mapping[str, Any]) -> str | None:
+    """The job's head as its rows name it (`shipped:MODEL` for the package's head)."""
+    return draft_label(job["model"], job["draft"], job["mode"])
+
+
+def plot_title(job: Mapping[str, Any]) -> str:
+    return (
+        f"eagle2-batch job {job['id'][:12]}: {job['model']} + "
+        f"{job_draft(job) or 'no draft'} ({job['mode']})"
+    )
 
 
 def plot_stats(
@@ -326,10 +338,6 @@ def stats(
     else:
         click.echo(format_stats(job_row, result, by))
     if plot is not None:
-        title = (
-            f"eagle2-batch job {job_row['id'][:12]}: {job_row['model']} + "
-            f"{job_row['draft'] or 'no draft'} ({job_row['mode']})"
-        )
-        plot_stats(plot, title, overall, groups, group_by or "category")
+        plot_stats(plot, plot_title(job_row), overall, groups, group_by or "category")
         if not as_json:
             click.echo(f"\nplot written to {plot}")

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from producer.cli import main
-from producer.stats import compute_stats, format_stats, percentile
+from producer.stats import compute_stats, format_stats, percentile, plot_title
 from workers import db
 
 
@@ -83,6 +83,9 @@ def test_stats_header_names_the_head_the_rows_name(draft, mode, shown):
     job = {"id": "j", "state": "done", "model": "smollm2-135m", "draft": draft, "mode": mode,
            "n_expected": 0, "n_rejected": 0}  # fmt: skip
     assert shown in format_stats(job, compute_stats([]), by=None).splitlines()[0]
+    # The plot's title says the same (it said "no draft" for the shipped head).
+    named = shown.removeprefix("draft=")
+    assert f"+ {'no draft' if named == '-' else named} ({mode})" in plot_title(job)
 
 
 def test_stats_of_only_failed_samples_has_no_rates():
