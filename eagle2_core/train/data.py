@@ -177,13 +177,13 @@ def batched_features(
     on_batch: Callable[[int], object] | None = None,
 ) -> list[FeatureSequence]:
     """Features of every conversation, in order, from forwards over length batches of at
-    most batch_tokens padded tokens; on_batch(n) after each forward of n conversations."""
+    most batch_tokens padded tokens; on_batch(n) after each forward over n real tokens."""
     sequences: dict[int, FeatureSequence] = {}
     for group in length_batches([len(c.ids) for c in conversations], batch_tokens):
         batch = conversation_features(target, [conversations[i] for i in group])
         sequences.update(zip(group, batch, strict=True))
         if on_batch is not None:
-            on_batch(len(group))
+            on_batch(sum(len(conversations[i].ids) for i in group))
     return [sequences[i] for i in range(len(conversations))]
 
 
@@ -228,11 +228,12 @@ def write_feature_shards(
         if _shard_digest(path) != _digest(chunk, target.name)
     ]
     bar = tqdm(
-        total=sum(len(c) for _, c in todo),
+        total=sum(len(c.ids) for _, chunk in todo for c in chunk),
         desc=f"features {directory.name}",
-        unit="conv",
+        unit="tok",
+        unit_scale=True,
         disable=not progress,
-    )
+    )  # tokens, so the rate reads as the target's tokens/s
     for path, chunk in todo:
         sequences = batched_features(target, chunk, batch_tokens, on_batch=bar.update)
         _save_shard(path, sequences, _digest(chunk, target.name), [c.id for c in chunk])
