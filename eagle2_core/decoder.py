@@ -23,7 +23,7 @@ from eagle2_core.cost import CostModel
 from eagle2_core.drafters import Drafter
 from eagle2_core.dynamic import DynamicDrafter, FixedPlan, Fresh
 from eagle2_core.lean_head import LeanHead
-from eagle2_core.llama import forward
+from eagle2_core.llama import forward_capturing
 from eagle2_core.models import Target
 from eagle2_core.plan import MAX_NODES, Calibration, Planner
 from eagle2_core.tree import TreeBatch, root_only, roots_only, select, stack
@@ -207,10 +207,11 @@ class BatchDecoder:
         prompt = torch.tensor(prompt_ids, device=target.device)
         keys, values = self.kv.add_row(len(prompt_ids))
         positions = torch.arange(len(prompt_ids), device=target.device)[None]
-        features = forward(target.lean, prompt[None], positions, keys, values, 0)[0]
+        hidden, features = self._forward(prompt[None], positions, keys, values, 0, None)
+        hidden, features = hidden[0], features[0]
         uniforms = Uniforms(generator)
         first = 0.0 if config.sampling.greedy else uniforms.take(1)[0]
-        root = choose_token(target.lm_head(features[-1]), config.sampling, first)
+        root = choose_token(target.lm_head(hidden[-1]), config.sampling, first)
         next_tokens = torch.cat([prompt[1:], torch.tensor([root], device=target.device)])
         seq = _Sequence(
             key=key,
@@ -349,7 +350,7 @@ class BatchDecoder:
         positions = torch.tensor(context_lens, device=device)[:, None] + trees.depths
         keys, values = self.kv.layer_views()
         mask = self.kv.tree_mask(trees.ancestors)
-        hidden = forward(target.lean, trees.tokens, positions, keys, values, start, mask)
+        hidden, drafts_read = self._forward(trees.tokens, positions, keys, values, start, mask)
         accepted = self._accept(trees, target.lm_head(hidden))
         lengths = accepted.lengths.tolist()
         width = max(lengths)
@@ -359,7 +360,7 @@ class BatchDecoder:
         emitted = trees.tokens.gather(1, after)
         last = torch.arange(width, device=device)[None] == (accepted.lengths - 1)[:, None]
         emitted = torch.where(last, accepted.bonus[:, None], emitted)  # bonus after the path
-        features = hidden.gather(1, nodes[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        features = drafts_read.gather(1, nodes[:, :, None].expand(-1, -1, drafts_read.shape[-1]))
         leaf = nodes.gather(1, (accepted.lengths - 1)[:, None])
         offered = trees.has_children().gather(1, leaf)[:, 0]
         if self.dynamic is not None:  # what the draft has to catch up on next
@@ -387,6 +388,18 @@ class BatchDecoder:
                 if seq.finish is not None:
                     break
             seq.stats.record(step.sizes[row], n - 1, n - 1 + step.offered[row], kept)
+
+    def _forward(
+        self, ids, positions, keys, values, start, mask
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's final-norm states [B, T, H] and what the draft head reads of them:
+        the same states, or for an EAGLE-3 head the inputs of its three layers [B, T, 3H]."""
+        head = self.engine.lean_head
+        layers = head.feature_layers if head is not None else ()
+        hidden, captured = forward_capturing(
+            self.target.lean, ids, positions, keys, values, start, mask, layers
+        )
+        return hidden, captured if captured is not None else hidden
 
     def _accept(self, trees: TreeBatch, logits: torch.Tensor) -> Accepted:
         """The target's token at every node (argmax, or a sampled row's draws from its own

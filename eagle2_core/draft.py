@@ -39,15 +39,18 @@ class DraftCache:
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, qkv_bias: bool):
+    """Self-attention of a draft layer; q/k/v read in_features (2H for EAGLE-3)."""
+
+    def __init__(self, config: LlamaConfig, qkv_bias: bool, in_features: int | None = None):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads or self.n_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         h, d = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=qkv_bias)
+        inputs = in_features or h
+        self.q_proj = nn.Linear(inputs, self.n_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(inputs, self.n_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(inputs, self.n_kv_heads * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
 
     def forward(
@@ -168,7 +171,28 @@ def save_draft(
     return directory
 
 
-def _read_state(directory: Path) -> dict[str, torch.Tensor]:
+def read_state(directory: Path) -> dict[str, torch.Tensor]:
+    """A head's tensors: model.safetensors first, else pytorch_model.bin (weights only)."""
+    try:
+        return _read_files(directory)
+    except DraftCheckpointError:
+        raise
+    except Exception as exc:
+        raise DraftCheckpointError(f"draft weights in {directory} are unreadable: {exc}") from exc
+
+
+def read_config(directory: str | Path) -> dict:
+    """A head's config.json as a dict."""
+    config_path = Path(directory) / "config.json"
+    if not config_path.exists():
+        raise DraftCheckpointError(f"draft checkpoint {directory} has no config.json")
+    try:
+        return json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DraftCheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+
+
+def _read_files(directory: Path) -> dict[str, torch.Tensor]:
     if (directory / "model.safetensors").exists():
         return load_file(str(directory / "model.safetensors"))
     if (directory / "pytorch_model.bin").exists():
@@ -188,13 +212,7 @@ def _read_state(directory: Path) -> dict[str, torch.Tensor]:
 def load_draft(directory: str | Path, target_config=None) -> DraftHead:
     """Load a head in the public EAGLE format; check that it fits the target if given."""
     directory = Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise DraftCheckpointError(f"draft checkpoint {directory} has no config.json")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DraftCheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    raw = read_config(directory)
     fc_bias = raw.pop("bias", True)
     qkv_bias = raw.pop("qkv_bias", False)
     for key in ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version"):
@@ -202,12 +220,7 @@ def load_draft(directory: str | Path, target_config=None) -> DraftHead:
     config = LlamaConfig(**raw)
     if target_config is not None:
         _check_fits(config, raw.get("vocab_size"), target_config, directory)
-    try:
-        state = _read_state(directory)
-    except Exception as exc:
-        if isinstance(exc, DraftCheckpointError):
-            raise
-        raise DraftCheckpointError(f"draft weights in {directory} are unreadable: {exc}") from exc
+    state = read_state(directory)
     state.pop("embed_tokens.weight", None)  # the target's own table is used
     head = DraftHead(config, fc_bias=fc_bias, qkv_bias=qkv_bias)
     dtype = next(iter(state.values())).dtype if state else torch.float32

@@ -55,8 +55,9 @@ class StaticDrafter:
         causal = torch.ones(1, n, n, dtype=torch.bool, device=device).tril()
         keys, values = kv.layer_views()
         positions = torch.arange(context_len - n, context_len, device=device)[None]
+        inputs = self.head.lift(features[None])
         hidden = self.head.step(
-            next_tokens[None], features[None], positions, keys, values, start, kv.tree_mask(causal)
+            next_tokens[None], inputs, positions, keys, values, start, kv.tree_mask(causal)
         )
         kv.commit(start, torch.arange(n, device=device)[None], torch.tensor([n]))
         root = int(next_tokens[-1])

@@ -84,9 +84,8 @@ class DynamicDrafter:
         keys, values = self.kv.add_row(n)
         if n > 0:
             positions = torch.arange(n, device=features.device)[None]
-            self.head.step(
-                next_tokens[None, :n], features[None, :n], positions, keys, values, 0, None
-            )
+            inputs = self.head.lift(features[None, :n])
+            self.head.step(next_tokens[None, :n], inputs, positions, keys, values, 0, None)
 
     @torch.inference_mode()
     def remove_rows(self, rows: list[int]) -> list[int]:
@@ -154,7 +153,13 @@ class DynamicDrafter:
         causal = torch.ones(w, w, dtype=torch.bool, device=device).tril().expand(b, w, w)
         keys, values = kv.layer_views()
         hidden = self.head.step(
-            fresh.tokens, fresh.features, positions, keys, values, start, kv.tree_mask(causal)
+            fresh.tokens,
+            self.head.lift(fresh.features),
+            positions,
+            keys,
+            values,
+            start,
+            kv.tree_mask(causal),
         )
         kv.commit(start, offsets.expand(b, w), fresh.lengths)
         rows = torch.arange(b, device=device)

@@ -22,8 +22,9 @@ from eagle2_core.decoder import (
     PromptError,
     seeded_generator,
 )
-from eagle2_core.draft import DraftHead, load_draft, new_draft_head
+from eagle2_core.draft import DraftHead, load_draft, new_draft_head, read_config
 from eagle2_core.drafters import Drafter, StaticDrafter
+from eagle2_core.eagle3 import Eagle3Head, LeanEagle3, is_eagle3, load_eagle3
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.models import Target, load_target
 from eagle2_core.plan import Calibration
@@ -48,12 +49,19 @@ class Engine:
     """Decodes prompts with a target and (optionally) an EAGLE draft head."""
 
     def __init__(
-        self, target: Target, draft_head: DraftHead | None = None, vocab: DraftVocab | None = None
+        self,
+        target: Target,
+        draft_head: DraftHead | Eagle3Head | None = None,
+        vocab: DraftVocab | None = None,
     ):
         self.target = target
         self.draft_head = draft_head.to(target.device, target.dtype) if draft_head else None
         self.vocab = vocab
-        self.lean_head = LeanHead.of(self.draft_head, target, vocab) if draft_head else None
+        self.lean_head: LeanHead | LeanEagle3 | None = None
+        if isinstance(self.draft_head, Eagle3Head):
+            self.lean_head = LeanEagle3.of(self.draft_head, target)  # its vocabulary is inside
+        elif self.draft_head is not None:
+            self.lean_head = LeanHead.of(self.draft_head, target, vocab)
         self.calibration = Calibration()
         self._costs: CostModel | None = None
 
@@ -125,10 +133,16 @@ class Engine:
             yield from decoder.step()
 
 
-def load_head(target: Target, source: Path | None) -> tuple[DraftHead, DraftVocab | None]:
-    """The head at `source` (checked against the target) with the draft vocabulary stored
-    beside it, or an untrained head over the full vocabulary for None."""
+def load_head(
+    target: Target, source: Path | None
+) -> tuple[DraftHead | Eagle3Head, DraftVocab | None]:
+    """The head at `source` (checked against the target): an EAGLE-3 checkpoint (its
+    vocabulary inside), or an EAGLE-1/2 one with the draft vocabulary stored beside it;
+    an untrained EAGLE-2 head over the full vocabulary for None."""
     if source is not None:
+        raw = read_config(source)
+        if is_eagle3(raw):
+            return load_eagle3(Path(source), raw, target.model.config), None
         return load_draft(source, target.model.config), DraftVocab.load(source)
     log.warning(
         "USING A RANDOM, UNTRAINED DRAFT HEAD for %s: outputs are correct but nothing is "

@@ -68,9 +68,16 @@ class LeanHead:
             token_ids=token_ids,
         )
 
+    feature_layers = ()  # the head reads the target's final-norm states (no inner layers)
+
     @property
     def vocab_size(self) -> int:
         return self.token_ids.shape[0]
+
+    def lift(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as the head's step reads them (as they are, for EAGLE-1/2;
+        an EAGLE-3 head projects three layers)."""
+        return features
 
     def kv(self) -> BatchKV:
         """An empty cache for the head's one layer."""

@@ -195,9 +195,27 @@ def forward(
     keys, values [layers, B, kv_heads, S, D] (`BatchKV.layer_views`): the new entries go to
     slots start..start+T. mask: see `attend`.
     """
+    return forward_capturing(model, ids, positions, keys, values, start, mask)[0]
+
+
+def forward_capturing(
+    model: LeanLlama,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    mask: torch.Tensor | None = None,
+    layers: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `forward`, plus the hidden states entering the given layers, concatenated
+    [B, T, len(layers) * H] (None for no layers): an EAGLE-3 head's features."""
     x = F.embedding(ids, model.embed)
     angles = rope(model.rotary, x, positions)
+    captured = {}
     for index, layer in enumerate(model.layers):
+        if index in layers:
+            captured[index] = x
         x = x + self_attention(
             rms_norm(x, layer.input_norm, model.eps),
             layer.qkv,
@@ -210,4 +228,5 @@ def forward(
             mask,
         )
         x = x + mlp(rms_norm(x, layer.post_norm, model.eps), layer.gate_up, layer.down)
-    return rms_norm(x, model.norm, model.eps)
+    features = torch.cat([captured[i] for i in layers], dim=-1) if layers else None
+    return rms_norm(x, model.norm, model.eps), features
