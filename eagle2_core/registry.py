@@ -58,7 +58,7 @@ def _dequantised(directory: Path, gguf_file: str, cache_name: str) -> Path:
     cached = cache_root() / cache_name
     if (cached / "config.json").exists():
         return cached
-    from eagle2_core.models import dequantise_gguf
+    from eagle2_core.gguf import dequantise_gguf
 
     return dequantise_gguf(directory, gguf_file, cached)
 
