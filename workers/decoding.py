@@ -27,7 +27,7 @@ from eagle2_core.engine import (
 )
 from eagle2_core.models import Target, load_target
 from eagle2_core.registry import DraftUnavailableError, draft_label, draft_source, encode_chat
-from producer.validate import Request
+from workers.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, InternalError, OperationalError
 
-from producer.validate import Request
 from workers import db
 from workers.parquet_sink import write_shard_parquet
+from workers.request import Request
 
 if TYPE_CHECKING:  # decoding imports torch; the producer side of this module must not
     from workers.decoding import SampleDecoder

@@ -11,12 +11,12 @@ from sqlalchemy import Engine, select
 from sqlalchemy.exc import OperationalError
 
 from eagle2_core.engine import Engine as DecodeEngine
-from producer.validate import Request
 from tests.eagle2_core.tiny import tiny_head
 from tests.workers.test_decoding import chat_target
 from workers import db, shards
 from workers.decoding import SampleDecoder
 from workers.parquet_sink import read_job_parquet, shard_path
+from workers.request import Request
 from workers.shards import JobNotFoundError, process_shard
 
 N, SHARD_SIZE = 10, 4  # shards 0 and 1 hold 4 samples, shard 2 holds 2

@@ -20,12 +20,12 @@ from sqlalchemy import Engine, func, select
 
 from eagle2_core import models
 from migrations import upgrade
-from producer.validate import Request
 from tests.workers.test_decoding import save_tiny_model
 from workers import db, launcher, tasks
 from workers.celery_app import queue_for, visibility_timeout
 from workers.launcher import LaunchError, plan_workers, select_gpus, visible_gpus
 from workers.parquet_sink import read_job_parquet
+from workers.request import Request
 from workers.shards import RETRYABLE_DB_ERRORS
 
 REDIS_DB = 13
