@@ -10,10 +10,9 @@ tensor operations that run on any device.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -21,87 +20,14 @@ import torch
 from eagle2_core.config import AUTO, DEFAULT_BATCH_SIZE, DecodeConfig
 from eagle2_core.cost import CostModel
 from eagle2_core.drafters import Drafter
-from eagle2_core.dynamic import DynamicDrafter, FixedPlan, Fresh
+from eagle2_core.dynamic import DynamicDrafter, FixedPlan, Fresh, cat_fresh, extend_fresh
+from eagle2_core.generation import DecodeStats, Generation, PromptError, seeded_generator
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.llama import forward_capturing
 from eagle2_core.models import Target
 from eagle2_core.plan import MAX_NODES, Calibration, Planner
 from eagle2_core.tree import TreeBatch, root_only, roots_only, select, stack
 from eagle2_core.verify import Accepted, Uniforms, accept, choose_token, draw, target_probs
-
-
-class PromptError(ValueError):
-    """The prompt cannot be decoded (empty, or longer than the model's context)."""
-
-
-@dataclass
-class DecodeStats:
-    """Per-sample acceptance statistics; a cycle is one draft + verify round."""
-
-    n_cycles: int = 0
-    round_tokens: int = 0  # tokens emitted by the rounds (the prefill's first token excluded)
-    tree_nodes: int = 0  # nodes verified, root included, summed over the cycles
-    accept_hist: list[int] = field(default_factory=list)  # [k] = cycles accepting k drafts
-    depth_attempts: list[int] = field(default_factory=list)  # [d-1] = cycles offering depth d
-    depth_accepts: list[int] = field(default_factory=list)  # [d-1] = cycles accepting depth d
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    total_ms: float = 0.0
-
-    @property
-    def tau(self) -> float | None:
-        """Average acceptance length: tokens per verify pass (accepted drafts + 1)."""
-        return self.round_tokens / self.n_cycles if self.n_cycles else None
-
-    @property
-    def mean_tree_size(self) -> float | None:
-        """Nodes verified per cycle (the tree size the rounds chose)."""
-        return self.tree_nodes / self.n_cycles if self.n_cycles else None
-
-    def record(self, nodes: int, accepted: int, offered: int, emitted: int) -> None:
-        """One cycle: a tree of `nodes` nodes, `accepted` drafts taken, depths 1..offered
-        present along the accepted path, `emitted` tokens kept."""
-        self.n_cycles += 1
-        self.round_tokens += emitted
-        self.tree_nodes += nodes
-        _bump(self.accept_hist, accepted)
-        for depth in range(1, offered + 1):
-            _bump(self.depth_attempts, depth - 1)
-            if depth <= accepted:
-                _bump(self.depth_accepts, depth - 1)
-        while len(self.depth_accepts) < len(self.depth_attempts):
-            self.depth_accepts.append(0)
-
-
-def _bump(counts: list[int], index: int) -> None:
-    counts.extend([0] * (index + 1 - len(counts)))
-    counts[index] += 1
-
-
-@dataclass
-class Generation:
-    """One completion with its statistics."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop", "length" (max_new_tokens) or "context" (model full)
-    prompt_tokens: int
-    stats: DecodeStats
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def tokens_per_s(self) -> float:
-        ms = self.stats.total_ms
-        return self.completion_tokens / (ms / 1000) if ms > 0 else 0.0
-
-
-def seeded_generator(seed: int | None) -> torch.Generator:
-    """A generator for one sequence: seeded for reproducible sampling, else random."""
-    return torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
-
 
 MAX_REST = 16  # the longest pause from drafting when it does not pay
 
@@ -261,7 +187,7 @@ class BatchDecoder:
             next_tokens[None, -1:],
             torch.ones(1, dtype=torch.long, device=features.device),
         )
-        self.fresh = row if self.fresh is None else _cat_fresh(self.fresh, row)
+        self.fresh = row if self.fresh is None else cat_fresh(self.fresh, row)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Hashable, Generation]]:
@@ -365,7 +291,7 @@ class BatchDecoder:
         offered = trees.has_children().gather(1, leaf)[:, 0]
         if self.dynamic is not None:  # what the draft has to catch up on next
             fresh = Fresh(features, emitted, accepted.lengths)
-            self.fresh = _extend(self.fresh, fresh) if skipped else fresh
+            self.fresh = extend_fresh(self.fresh, fresh) if skipped else fresh
         return _Step(
             lengths, emitted.tolist(), offered.tolist(), trees.sizes.tolist(), features, emitted
         )
@@ -467,37 +393,6 @@ class _Step:
     sizes: list[int]  # tree nodes verified
     features: torch.Tensor  # [B, W, H] target features of the committed tokens
     emitted: torch.Tensor  # [B, W]
-
-
-def _extend(old: Fresh, new: Fresh) -> Fresh:
-    """Each row's fresh tokens followed by its newer ones (a round that skipped drafting)."""
-    b, hidden = old.features.shape[0], old.features.shape[2]
-    lengths = old.lengths + new.lengths
-    width = int(lengths.max())
-    features = old.features.new_zeros(b, width + 1, hidden)  # column `width`: a discard
-    tokens = old.tokens.new_zeros(b, width + 1)
-    keep = min(old.tokens.shape[1], width)
-    features[:, :keep] = old.features[:, :keep]
-    tokens[:, :keep] = old.tokens[:, :keep]
-    offsets = torch.arange(new.tokens.shape[1], device=tokens.device)[None]
-    index = torch.where(offsets < new.lengths[:, None], old.lengths[:, None] + offsets, width)
-    features.scatter_(1, index[:, :, None].expand(-1, -1, hidden), new.features)
-    tokens.scatter_(1, index, new.tokens)
-    return Fresh(features[:, :width], tokens[:, :width], lengths)
-
-
-def _cat_fresh(a: Fresh, b: Fresh) -> Fresh:
-    width = max(a.tokens.shape[1], b.tokens.shape[1])
-
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        extra = width - x.shape[1]
-        return torch.nn.functional.pad(x, (0, 0, 0, extra) if x.dim() == 3 else (0, extra))
-
-    return Fresh(
-        torch.cat([pad(a.features), pad(b.features)]),
-        torch.cat([pad(a.tokens), pad(b.tokens)]),
-        torch.cat([a.lengths, b.lengths]),
-    )
 
 
 def _budget(config: DecodeConfig) -> int:

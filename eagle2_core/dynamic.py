@@ -192,3 +192,35 @@ class _PoolBuilder:
         return Pool(
             *(torch.cat(x, dim=1) for x in (self.tokens, self.parents, self.depths, self.scores))
         )
+
+
+def extend_fresh(old: Fresh, new: Fresh) -> Fresh:
+    """Each row's fresh tokens followed by its newer ones (a round that skipped drafting)."""
+    b, hidden = old.features.shape[0], old.features.shape[2]
+    lengths = old.lengths + new.lengths
+    width = int(lengths.max())
+    features = old.features.new_zeros(b, width + 1, hidden)  # column `width`: a discard
+    tokens = old.tokens.new_zeros(b, width + 1)
+    keep = min(old.tokens.shape[1], width)
+    features[:, :keep] = old.features[:, :keep]
+    tokens[:, :keep] = old.tokens[:, :keep]
+    offsets = torch.arange(new.tokens.shape[1], device=tokens.device)[None]
+    index = torch.where(offsets < new.lengths[:, None], old.lengths[:, None] + offsets, width)
+    features.scatter_(1, index[:, :, None].expand(-1, -1, hidden), new.features)
+    tokens.scatter_(1, index, new.tokens)
+    return Fresh(features[:, :width], tokens[:, :width], lengths)
+
+
+def cat_fresh(a: Fresh, b: Fresh) -> Fresh:
+    """The rows of a, then those of b (sequences joining the batch)."""
+    width = max(a.tokens.shape[1], b.tokens.shape[1])
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        extra = width - x.shape[1]
+        return torch.nn.functional.pad(x, (0, 0, 0, extra) if x.dim() == 3 else (0, extra))
+
+    return Fresh(
+        torch.cat([pad(a.features), pad(b.features)]),
+        torch.cat([pad(a.tokens), pad(b.tokens)]),
+        torch.cat([a.lengths, b.lengths]),
+    )

@@ -15,16 +15,11 @@ import torch
 
 from eagle2_core.config import DEFAULT_BATCH_SIZE, DecodeConfig
 from eagle2_core.cost import CostModel, load_or_measure
-from eagle2_core.decoder import (
-    BatchDecoder,
-    DecodeStats,
-    Generation,
-    PromptError,
-    seeded_generator,
-)
+from eagle2_core.decoder import BatchDecoder
 from eagle2_core.draft import DraftHead, load_draft, new_draft_head, read_config
 from eagle2_core.drafters import Drafter, StaticDrafter
 from eagle2_core.eagle3 import Eagle3Head, LeanEagle3, is_eagle3, load_eagle3
+from eagle2_core.generation import DecodeStats, Generation, PromptError, seeded_generator
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.models import Target, load_target
 from eagle2_core.plan import Calibration

@@ -7,8 +7,8 @@ import torch
 
 from eagle2_core.config import DecodeConfig
 from eagle2_core.cost import TREE_GRID, WIDTH_GRID, CostModel
-from eagle2_core.decoder import MAX_REST, BatchDecoder, _extend
-from eagle2_core.dynamic import DynamicDrafter, Fresh
+from eagle2_core.decoder import MAX_REST, BatchDecoder
+from eagle2_core.dynamic import DynamicDrafter, Fresh, extend_fresh
 from eagle2_core.engine import Engine
 from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
 
@@ -83,7 +83,7 @@ def test_fresh_tokens_wait_in_order_while_drafting_pauses():
         torch.arange(12.0).view(2, 3, h), torch.tensor([[1, 2, 0], [5, 0, 0]]), torch.tensor([2, 1])
     )
     new = Fresh(torch.full((2, 2, h), -1.0), torch.tensor([[3, 0], [6, 7]]), torch.tensor([1, 2]))
-    both = _extend(old, new)
+    both = extend_fresh(old, new)
     assert both.lengths.tolist() == [3, 3]
     assert both.tokens.tolist() == [[1, 2, 3], [5, 6, 7]]
     assert both.features[0, :2].tolist() == old.features[0, :2].tolist()

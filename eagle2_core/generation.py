@@ -1,0 +1,82 @@
+"""What decoding hands back: a completion and the acceptance statistics that explain its
+speed, shared by every decoding mode."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+class PromptError(ValueError):
+    """The prompt cannot be decoded (empty, or longer than the model's context)."""
+
+
+@dataclass
+class DecodeStats:
+    """Per-sample acceptance statistics; a cycle is one draft + verify round."""
+
+    n_cycles: int = 0
+    round_tokens: int = 0  # tokens emitted by the rounds (the prefill's first token excluded)
+    tree_nodes: int = 0  # nodes verified, root included, summed over the cycles
+    accept_hist: list[int] = field(default_factory=list)  # [k] = cycles accepting k drafts
+    depth_attempts: list[int] = field(default_factory=list)  # [d-1] = cycles offering depth d
+    depth_accepts: list[int] = field(default_factory=list)  # [d-1] = cycles accepting depth d
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+
+    @property
+    def tau(self) -> float | None:
+        """Average acceptance length: tokens per verify pass (accepted drafts + 1)."""
+        return self.round_tokens / self.n_cycles if self.n_cycles else None
+
+    @property
+    def mean_tree_size(self) -> float | None:
+        """Nodes verified per cycle (the tree size the rounds chose)."""
+        return self.tree_nodes / self.n_cycles if self.n_cycles else None
+
+    def record(self, nodes: int, accepted: int, offered: int, emitted: int) -> None:
+        """One cycle: a tree of `nodes` nodes, `accepted` drafts taken, depths 1..offered
+        present along the accepted path, `emitted` tokens kept."""
+        self.n_cycles += 1
+        self.round_tokens += emitted
+        self.tree_nodes += nodes
+        _bump(self.accept_hist, accepted)
+        for depth in range(1, offered + 1):
+            _bump(self.depth_attempts, depth - 1)
+            if depth <= accepted:
+                _bump(self.depth_accepts, depth - 1)
+        while len(self.depth_accepts) < len(self.depth_attempts):
+            self.depth_accepts.append(0)
+
+
+def _bump(counts: list[int], index: int) -> None:
+    counts.extend([0] * (index + 1 - len(counts)))
+    counts[index] += 1
+
+
+@dataclass
+class Generation:
+    """One completion with its statistics."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop", "length" (max_new_tokens) or "context" (model full)
+    prompt_tokens: int
+    stats: DecodeStats
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        ms = self.stats.total_ms
+        return self.completion_tokens / (ms / 1000) if ms > 0 else 0.0
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A generator for one sequence: seeded for reproducible sampling, else random."""
+    return torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
