@@ -19,15 +19,23 @@ weights_only=True.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from eagle2_core.draft import DraftAttention, DraftCache, DraftCheckpointError, read_state
+from eagle2_core.draft import (
+    DraftAttention,
+    DraftCache,
+    DraftCheckpointError,
+    draft_config_for,
+    read_state,
+)
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import BatchKV
 from eagle2_core.llama import HeadShape, mlp, rms_norm, rope, self_attention
@@ -100,6 +108,51 @@ class Eagle3Head(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary."""
         return self.lm_head(self.norm(out))
+
+
+def new_eagle3_head(target, vocab: DraftVocab, seed: int = 0) -> Eagle3Head:
+    """A head to train for a target: random layers on the reference's three feature layers;
+    its lm_head and final norm start as the target's own (restricted to the draft
+    vocabulary), so step 0 begins near the target's distribution."""
+    torch.manual_seed(seed)
+    target_config = target.model.config
+    config = draft_config_for(target_config)
+    head = Eagle3Head(config, vocab, reference_layers(target_config.num_hidden_layers))
+    for module in head.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=config.initializer_range)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    with torch.no_grad():
+        lm_head = target.model.get_output_embeddings().weight
+        head.lm_head.weight.copy_(lm_head[vocab.ids.to(lm_head.device)])
+        head.norm.weight.copy_(target.model.model.norm.weight)
+    return head
+
+
+def save_eagle3(
+    head: Eagle3Head, directory: str | Path, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """Write the head in the public EAGLE-3 layout (what load_eagle3 and SGLang read)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = head.config.to_dict()
+    config.pop("target_hidden_size", None)
+    config.update(
+        architectures=[ARCHITECTURE],
+        draft_vocab_size=head.lm_head.out_features,
+        # layer outputs, as configs name them: the input of layer i is the output of i - 1
+        eagle_aux_hidden_state_layer_ids=[i - 1 for i in head.layers_used],
+    )
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    state = {}
+    for name, tensor in head.state_dict().items():
+        if name.startswith("rotary."):
+            continue
+        floating = tensor.is_floating_point()
+        state[name] = (tensor.detach().to(dtype) if floating else tensor).contiguous()
+    save_file(state, str(directory / "model.safetensors"))
+    return directory
 
 
 def is_eagle3(raw: dict) -> bool:

@@ -121,3 +121,17 @@ def final_hidden_states(target: Target, ids: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
     out = target.model.model(input_ids=ids, position_ids=positions, use_cache=False)
     return out.last_hidden_state
+
+
+def layer_hidden_states(
+    target: Target, ids: torch.Tensor, layers: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As final_hidden_states, plus the states entering the given layers, concatenated
+    [B, T, len(layers) * H] (transformers' hidden_states[i] is the input of layer i): an
+    EAGLE-3 head's features."""
+    positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    out = target.model.model(
+        input_ids=ids, position_ids=positions, use_cache=False, output_hidden_states=True
+    )
+    captured = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+    return out.last_hidden_state, captured

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from eagle2_core.models import Target, final_hidden_states
+from eagle2_core.models import Target, final_hidden_states, layer_hidden_states
 from eagle2_core.registry import END_OF_TURN_TOKENS, encode_chat
 
 VALIDATION_MODULUS = 50
@@ -57,11 +57,13 @@ class Conversation:
 
 @dataclass(frozen=True)
 class FeatureSequence:
-    """A conversation as the loss reads it: ids [T], features [T, H], answer mask [T]."""
+    """A conversation as the loss reads it: ids [T], features [T, H], answer mask [T], and
+    for an EAGLE-3 head the inputs of its target layers, layer_states [T, k * H]."""
 
     input_ids: torch.Tensor
     features: torch.Tensor
     loss_mask: torch.Tensor
+    layer_states: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -136,9 +138,10 @@ def conversation_from_messages(
 
 @torch.inference_mode()
 def conversation_features(
-    target: Target, conversations: Sequence[Conversation]
+    target: Target, conversations: Sequence[Conversation], layers: tuple[int, ...] = ()
 ) -> list[FeatureSequence]:
-    """One target forward over a right-padded batch of conversations (prompt + answer).
+    """One target forward over a right-padded batch of conversations (prompt + answer);
+    with layers, also the states entering those layers (an EAGLE-3 head's inputs).
 
     Right padding needs no attention mask: under causal attention a real token never sees
     a later pad. Each result's mask is True on exactly its answer tokens.
@@ -147,14 +150,18 @@ def conversation_features(
     ids = torch.zeros(len(conversations), max(lengths), dtype=torch.long)
     for row, conversation in enumerate(conversations):
         ids[row, : lengths[row]] = torch.tensor(conversation.ids)
-    features = final_hidden_states(target, ids.to(target.device))
+    if layers:
+        features, states = layer_hidden_states(target, ids.to(target.device), layers)
+        states = states.to("cpu", torch.bfloat16)
+    else:
+        features, states = final_hidden_states(target, ids.to(target.device)), None
     features = features.to("cpu", torch.bfloat16)
     sequences = []
     for row, conversation in enumerate(conversations):
         mask = torch.tensor(conversation.answer_mask, dtype=torch.bool)
-        sequences.append(
-            FeatureSequence(ids[row, : lengths[row]], features[row, : lengths[row]], mask)
-        )
+        n = lengths[row]
+        row_states = states[row, :n] if states is not None else None
+        sequences.append(FeatureSequence(ids[row, :n], features[row, :n], mask, row_states))
     return sequences
 
 
@@ -175,21 +182,25 @@ def batched_features(
     conversations: Sequence[Conversation],
     batch_tokens: int = FEATURE_BATCH_TOKENS,
     on_batch: Callable[[int], object] | None = None,
+    layers: tuple[int, ...] = (),
 ) -> list[FeatureSequence]:
     """Features of every conversation, in order, from forwards over length batches of at
     most batch_tokens padded tokens; on_batch(n) after each forward over n real tokens."""
     sequences: dict[int, FeatureSequence] = {}
     for group in length_batches([len(c.ids) for c in conversations], batch_tokens):
-        batch = conversation_features(target, [conversations[i] for i in group])
+        batch = conversation_features(target, [conversations[i] for i in group], layers)
         sequences.update(zip(group, batch, strict=True))
         if on_batch is not None:
             on_batch(sum(len(conversations[i].ids) for i in group))
     return [sequences[i] for i in range(len(conversations))]
 
 
-def _digest(conversations: Sequence[Conversation], model_name: str) -> str:
-    """Identifies a shard's content, so a stale shard (other answers, other model) is redone."""
+def _digest(conversations: Sequence[Conversation], model_name: str, layers: tuple[int, ...]) -> str:
+    """Identifies a shard's content, so a stale shard (other answers, other model, other
+    layers) is redone."""
     h = hashlib.sha256(model_name.encode())
+    if layers:
+        h.update(json.dumps(list(layers)).encode())
     for c in conversations:
         h.update(json.dumps([c.id, c.ids, c.answer_mask]).encode())
     return h.hexdigest()
@@ -210,8 +221,10 @@ def write_feature_shards(
     shard_size: int = 64,
     progress: bool = True,
     batch_tokens: int = FEATURE_BATCH_TOKENS,
+    layers: tuple[int, ...] = (),
 ) -> list[Path]:
     """Extract features for every conversation into shard files; skips up-to-date shards.
+    layers: also store the states entering these target layers (an EAGLE-3 head's inputs).
 
     Shard i holds conversations [i*shard_size, (i+1)*shard_size). Conversations of similar
     length share a forward of at most batch_tokens padded tokens (one at a time is
@@ -225,7 +238,7 @@ def write_feature_shards(
     todo = [
         (path, chunk)
         for path, chunk in zip(paths, chunks, strict=True)
-        if _shard_digest(path) != _digest(chunk, target.name)
+        if _shard_digest(path) != _digest(chunk, target.name, layers)
     ]
     bar = tqdm(
         total=sum(len(c.ids) for _, chunk in todo for c in chunk),
@@ -235,8 +248,8 @@ def write_feature_shards(
         disable=not progress,
     )  # tokens, so the rate reads as the target's tokens/s
     for path, chunk in todo:
-        sequences = batched_features(target, chunk, batch_tokens, on_batch=bar.update)
-        _save_shard(path, sequences, _digest(chunk, target.name), [c.id for c in chunk])
+        sequences = batched_features(target, chunk, batch_tokens, bar.update, layers)
+        _save_shard(path, sequences, _digest(chunk, target.name, layers), [c.id for c in chunk])
     bar.close()
     for stale in set(directory.glob(SHARD_GLOB)) - set(paths):
         stale.unlink()  # left by an earlier run over more conversations
@@ -252,6 +265,8 @@ def _save_shard(
         "loss_mask": torch.cat([s.loss_mask for s in sequences]),
         "lengths": torch.tensor([len(s) for s in sequences], dtype=torch.int64),
     }
+    if sequences[0].layer_states is not None:
+        tensors["layer_states"] = torch.cat([s.layer_states for s in sequences]).contiguous()
     metadata = {"digest": digest, "ids": json.dumps(ids)}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -269,13 +284,18 @@ def load_shards(paths: Iterable[str | Path]) -> list[FeatureSequence]:
     for path in paths:
         shard = load_file(str(path))
         lengths = shard["lengths"].tolist()
-        for ids, feats, mask in zip(
-            shard["input_ids"].split(lengths),
-            shard["features"].split(lengths),
-            shard["loss_mask"].split(lengths),
-            strict=True,
+        states = shard["layer_states"].split(lengths) if "layer_states" in shard else None
+        for i, (ids, feats, mask) in enumerate(
+            zip(
+                shard["input_ids"].split(lengths),
+                shard["features"].split(lengths),
+                shard["loss_mask"].split(lengths),
+                strict=True,
+            )
         ):
-            sequences.append(FeatureSequence(ids, feats, mask))
+            sequences.append(
+                FeatureSequence(ids, feats, mask, states[i] if states is not None else None)
+            )
     return sequences
 
 

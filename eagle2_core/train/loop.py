@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from eagle2_core.draft import DraftHead
+from eagle2_core.eagle3 import Eagle3Head
 from eagle2_core.models import Target
 from eagle2_core.train.data import FeatureSequence
 from eagle2_core.train.loss import (
@@ -29,6 +30,7 @@ from eagle2_core.train.loss import (
     LossParts,
     batch_loss,
 )
+from eagle2_core.train.ttt import TTT_STEPS, ttt_loss
 
 SCHEDULES = ("cosine", "constant")
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -49,6 +51,7 @@ class TrainConfig:
     noise_width: float = NOISE_WIDTH
     regression_weight: float = REGRESSION_WEIGHT
     ce_weight: float = CE_WEIGHT
+    ttt_steps: int = TTT_STEPS  # EAGLE-3 heads: draft steps unrolled per batch
     checkpoint_every: int = 100
     autocast: bool = True
     seed: int = 0
@@ -70,6 +73,7 @@ class Metrics:
     ce: float = 0.0
     top1: float = 0.0
     positions: int = 0
+    top1_by_step: list[float] = field(default_factory=list)  # EAGLE-3: per draft step
 
 
 @dataclass
@@ -91,11 +95,17 @@ def collate(sequences: Sequence[FeatureSequence]) -> Batch:
     ids = torch.zeros(len(sequences), length, dtype=torch.long)
     features = torch.zeros(len(sequences), length, hidden, dtype=sequences[0].features.dtype)
     mask = torch.zeros(len(sequences), length, dtype=torch.bool)
+    first_states = sequences[0].layer_states
+    states = None
+    if first_states is not None:
+        states = first_states.new_zeros(len(sequences), length, first_states.shape[-1])
     for row, s in enumerate(sequences):
         ids[row, : len(s)] = s.input_ids
         features[row, : len(s)] = s.features
         mask[row, : len(s)] = s.loss_mask
-    return Batch(ids, features, mask)
+        if states is not None:
+            states[row, : len(s)] = s.layer_states
+    return Batch(ids, features, mask, states)
 
 
 def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -128,16 +138,25 @@ class _Running:
 
     def __init__(self) -> None:
         self.sums = {"loss": 0.0, "regression": 0.0, "ce": 0.0, "top1": 0.0}
+        self.by_step: list[float] = []
         self.positions = 0
 
     def add(self, parts: LossParts) -> None:
         for key in self.sums:
             self.sums[key] += getattr(parts, key).item() * parts.positions
+        for j, top1 in enumerate(parts.top1_by_step):  # weighted by step 0's positions
+            if j == len(self.by_step):
+                self.by_step.append(0.0)
+            self.by_step[j] += top1 * parts.positions
         self.positions += parts.positions
 
     def metrics(self) -> Metrics:
         n = max(1, self.positions)
-        return Metrics(**{k: v / n for k, v in self.sums.items()}, positions=self.positions)
+        return Metrics(
+            **{k: v / n for k, v in self.sums.items()},
+            positions=self.positions,
+            top1_by_step=[v / n for v in self.by_step],
+        )
 
 
 def loss_head(
@@ -151,6 +170,30 @@ def loss_head(
         return module
     weight = module.weight.detach()[vocab_ids.to(module.weight.device)]
     return lambda hidden: torch.nn.functional.linear(hidden, weight)
+
+
+def head_loss(
+    head: DraftHead | Eagle3Head,
+    target: Target,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    batch: Batch,
+    config: TrainConfig,
+    noise_width: float,
+    generator: torch.Generator | None = None,
+) -> LossParts:
+    """The head's objective: EAGLE's feature regression + CE, or EAGLE-3's unrolled CE."""
+    if isinstance(head, Eagle3Head):
+        return ttt_loss(head, target.embed, lm_head, batch, config.ttt_steps)
+    return batch_loss(
+        head,
+        target.embed,
+        lm_head,
+        batch,
+        noise_width,
+        generator,
+        config.regression_weight,
+        config.ce_weight,
+    )
 
 
 @torch.inference_mode()
@@ -170,15 +213,7 @@ def evaluate(
     for start in range(0, len(sequences), config.batch_size):
         batch = collate(sequences[start : start + config.batch_size]).to(device)
         with _autocast(config, device):
-            parts = batch_loss(
-                head,
-                target.embed,
-                lm_head,
-                batch,
-                noise_width=0.0,
-                regression_weight=config.regression_weight,
-                ce_weight=config.ce_weight,
-            )
+            parts = head_loss(head, target, lm_head, batch, config, noise_width=0.0)
         running.add(parts)
     head.train(was_training)
     return running.metrics()
@@ -253,16 +288,7 @@ def train(
     for batch_indices in _remaining_batches(len(train_data), config, step, steps_per_epoch):
         batch = collate([train_data[i] for i in batch_indices]).to(device)
         with _autocast(config, device):
-            parts = batch_loss(
-                head,
-                target.embed,
-                lm_head,
-                batch,
-                config.noise_width,
-                generator,
-                config.regression_weight,
-                config.ce_weight,
-            )
+            parts = head_loss(head, target, lm_head, batch, config, config.noise_width, generator)
         optimizer.zero_grad(set_to_none=True)
         parts.loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
@@ -284,6 +310,8 @@ def train(
             if validation_data:
                 held_out = evaluate(head, target, validation_data, config, vocab_ids)
                 history[-1].update(val_loss=held_out.loss, val_top1=held_out.top1)
+                if held_out.top1_by_step:
+                    history[-1].update(val_top1_by_step=held_out.top1_by_step)
             window = _Running()
             write_checkpoint()
     bar.close()

@@ -25,7 +25,8 @@ NOISE_WIDTH = 0.2  # the reference's std: noise = (U(0, 1) - 0.5) * 0.2
 
 @dataclass
 class Batch:
-    """Right-padded conversations: ids [B, T], features [B, T, H], mask [B, T].
+    """Right-padded conversations: ids [B, T], features [B, T, H], mask [B, T], and for an
+    EAGLE-3 head the target layers' inputs.
 
     mask is True on answer tokens of real (non-padding) positions.
     """
@@ -33,9 +34,13 @@ class Batch:
     input_ids: torch.Tensor
     features: torch.Tensor
     loss_mask: torch.Tensor
+    layer_states: torch.Tensor | None = None  # [B, T, k * H]: an EAGLE-3 head's inputs
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(self.input_ids.to(device), self.features.to(device), self.loss_mask.to(device))
+        states = self.layer_states.to(device) if self.layer_states is not None else None
+        return Batch(
+            self.input_ids.to(device), self.features.to(device), self.loss_mask.to(device), states
+        )
 
 
 @dataclass
@@ -47,6 +52,7 @@ class LossParts:
     ce: torch.Tensor
     top1: torch.Tensor  # fraction of scored positions whose argmaxes agree
     positions: int
+    top1_by_step: tuple[float, ...] = ()  # EAGLE-3: top-1 at each unrolled draft step
 
 
 def uniform_noise(

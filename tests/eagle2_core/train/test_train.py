@@ -177,7 +177,7 @@ def test_feature_shards_roundtrip_and_resume(
     monkeypatch.setattr(
         data_module,
         "conversation_features",
-        lambda t, cs: calls.extend(c.id for c in cs) or real(t, cs),
+        lambda t, cs, *layers: calls.extend(c.id for c in cs) or real(t, cs, *layers),
     )
     changed = [*conversations[:4], Conversation.of("new", (5, 6), (7,))]
     write_feature_shards(target, changed, tmp_path, shard_size=2, progress=False)
