@@ -221,17 +221,23 @@ def load_draft(directory: str | Path, target_config=None) -> DraftHead:
     if target_config is not None:
         _check_fits(config, raw.get("vocab_size"), target_config, directory)
     state = read_state(directory)
-    state.pop("embed_tokens.weight", None)  # the target's own table is used
     head = DraftHead(config, fc_bias=fc_bias, qkv_bias=qkv_bias)
     dtype = next(iter(state.values())).dtype if state else torch.float32
+    return load_weights(head, state, directory, "EAGLE").to(dtype).eval()
+
+
+def load_weights(head: nn.Module, state: dict, directory: Path, layout: str) -> nn.Module:
+    """Put a checkpoint's tensors into head, or say which names do not fit the layout. The
+    rotary tables are computed, and the token embedding is the target's own table."""
+    state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rotary.")]
     if missing or unexpected:
         raise DraftCheckpointError(
-            f"draft weights in {directory} do not match the EAGLE layout: "
+            f"draft weights in {directory} do not match the {layout} layout: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    return head.to(dtype).eval()
+    return head
 
 
 def _check_fits(

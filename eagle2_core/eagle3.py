@@ -34,6 +34,7 @@ from eagle2_core.draft import (
     DraftCache,
     DraftCheckpointError,
     draft_config_for,
+    load_weights,
     read_state,
 )
 from eagle2_core.kernels import Linear
@@ -214,17 +215,9 @@ def load_eagle3(directory: Path, raw: dict, target_config) -> Eagle3Head:
         )
     config.target_hidden_size = target_hidden
     head = Eagle3Head(config, vocab, layers)
-    state.pop("embed_tokens.weight", None)  # the target's own table is used
     state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
     dtype = state["fc.weight"].dtype
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith("rotary.")]
-    if missing or unexpected:
-        raise DraftCheckpointError(
-            f"weights in {directory} do not match the EAGLE-3 layout: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    return head.to(dtype).eval()
+    return load_weights(head, state, directory, "EAGLE-3").to(dtype).eval()
 
 
 @dataclass
