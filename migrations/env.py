@@ -9,7 +9,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from workers.db import Base, make_engine
+from workers.db import make_engine
+from workers.schema import Base
 from workers.settings import load_settings
 
 config = context.config

@@ -145,7 +145,7 @@ class SampleDecoder:
         device: str | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Answer every turn of every request, `batch_size` sequences at a time; yields one
-        row (all of `workers.db.SAMPLE_FIELDS`) per request as soon as it is done.
+        row (all of `workers.schema.SAMPLE_FIELDS`) per request as soon as it is done.
 
         A request's next turn joins the batch when its previous answer is in. A prompt or
         settings that cannot be decoded give a 'failed' row; anything else (a bug, a lost

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 _INT_LIST = pa.list_(pa.int64())
 
-# Field for field the samples table (workers.db.SAMPLE_FIELDS), with its nullability.
+# Field for field the samples table (workers.schema.SAMPLE_FIELDS), with its nullability.
 SAMPLE_SCHEMA = pa.schema(
     [
         pa.field("job_id", pa.string(), nullable=False),

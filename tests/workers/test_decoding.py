@@ -14,9 +14,9 @@ from eagle2_core.draft import save_draft
 from eagle2_core.engine import Engine
 from eagle2_core.registry import DraftUnavailableError
 from tests.eagle2_core.tiny import tiny_head, tiny_target
-from workers.db import SAMPLE_FIELDS
 from workers.decoding import SampleDecoder
 from workers.request import Request
+from workers.schema import SAMPLE_FIELDS
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}t2"
 JOB = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 4, "depth": 3}
