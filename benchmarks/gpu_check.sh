@@ -65,7 +65,7 @@ run() {
     tests/eagle2_core/test_engine.py tests/eagle2_core/test_batch.py \
     tests/eagle2_core/test_sampling.py tests/eagle2_core/test_smollm2.py 2>&1 | tee "$out/tests.txt"
   for dtype in fp32 bf16; do
-    python3 -c "from producer.bench_cli import bench; bench()" --dataset .gpu/mt_bench.jsonl \
+    python3 -c "from producer.cli.bench import bench; bench()" --dataset .gpu/mt_bench.jsonl \
       --limit "$LIMIT" --first-turn-only --max-new-tokens 128 --device "$DEVICE" --dtype "$dtype" --json \
       | tee "$out/bench-$dtype.json"
   done

@@ -11,31 +11,25 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import click
 import pyarrow.parquet as pq
 from sqlalchemy import Engine
 
-from producer.db_cli import resolve_url, url_option
-from workers.db import get_job, iter_samples, make_engine
+from producer.database import as_utc
+from workers.db import get_job, iter_samples
 from workers.parquet_sink import SAMPLE_SCHEMA, encode_metadata, rows_to_table
 
 FORMATS = ("jsonl", "openai", "parquet")
 _PARQUET_BATCH = 1000
 
 
-def _utc(value: datetime) -> datetime:
-    # SQLite hands timestamps back naive; they were stored as UTC.
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
-
-
 def _json_default(value: Any) -> str:
     if isinstance(value, datetime):
-        return _utc(value).isoformat()
+        return as_utc(value).isoformat()
     raise TypeError(f"cannot export {type(value).__name__} value {value!r}")
 
 
@@ -61,7 +55,7 @@ def openai_line(row: Mapping[str, Any]) -> dict[str, Any]:
         "body": {
             "id": f"chatcmpl-{digest[48:64]}",
             "object": "chat.completion",
-            "created": int(_utc(row["created_at"]).timestamp()),
+            "created": int(as_utc(row["created_at"]).timestamp()),
             "model": row["model"],
             "choices": [
                 {
@@ -132,32 +126,3 @@ def export_job(engine: Engine, job_id: str, fmt: str, out: Path) -> int:
     finally:
         tmp.unlink(missing_ok=True)
     return n
-
-
-@click.command()
-@click.argument("job")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(FORMATS),
-    default="jsonl",
-    show_default=True,
-    help="jsonl: one output row per line; openai: OpenAI Batch API output; parquet: one file.",
-)
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="File to write (replaced atomically).",
-)
-@url_option
-def export(job: str, fmt: str, out: Path, url: str | None) -> None:
-    """Write JOB's outputs to a file, one row per sample in input order."""
-    engine = make_engine(resolve_url(url))
-    try:
-        n = export_job(engine, job, fmt, out)
-    except KeyError:
-        raise click.ClickException(f"no job {job}") from None
-    finally:
-        engine.dispose()
-    click.echo(f"wrote {n} rows ({fmt}) to {out}")

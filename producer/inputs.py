@@ -20,6 +20,7 @@ from typing import Any
 from producer.validate import Rejected, Request, Validator
 
 __all__ = [
+    "DEFAULT_SHARD_SIZE",
     "MAX_LINE_BYTES",
     "InputFileError",
     "Rejected",
@@ -33,6 +34,8 @@ __all__ = [
 # Well above any prompt a model context can hold (the benchmark lines are < 20 KB),
 # small enough that one bad line cannot exhaust a producer's memory.
 MAX_LINE_BYTES = 16 * 1024 * 1024
+# Input lines per shard when a job does not say (the unit a worker takes, a resume redoes).
+DEFAULT_SHARD_SIZE = 100
 _SKIP_CHUNK = 1024 * 1024
 _PARQUET_BATCH_ROWS = 1024
 _PARQUET_CONTENT = ("prompt", "messages", "turns")

@@ -30,16 +30,13 @@ from eagle2_core.registry import (
 )
 from producer.inputs import Rejected, Request, Shard, plan_shards, read_requests
 from workers.db import (
-    SHARD_STATES,
     insert_job,
     insert_rejected_lines,
     insert_requests,
     insert_shards,
-    jobs_t,
-    samples_t,
-    shards_t,
     update_job,
 )
+from workers.schema import SHARD_STATES, jobs_t, samples_t, shards_t
 
 # Parameters a job stores and workers read (workers/decoding.py CONFIG_KEYS).
 DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "top_k", "depth", "total_tokens")
@@ -54,6 +51,12 @@ ContextCheck = tuple[Callable[[Request], int], int]
 
 class JobError(Exception):
     """The job cannot be created as asked; the message is the one-line reason."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's first line (its type's name if it has no message): a JobError's reason."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,7 @@ def context_check(model: str) -> ContextCheck:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
         config = AutoConfig.from_pretrained(source, local_files_only=True)
     except (ModelLoadError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise JobError(f"cannot load the tokenizer of model {model!r}: {first}") from exc
+        raise JobError(f"cannot load the tokenizer of model {model!r}: {one_line(exc)}") from exc
     max_context = int(config.max_position_embeddings)
     return prompt_token_counter(tokenizer, max_context), max_context
 

@@ -1,24 +1,19 @@
 """`eagle2-batch stats`: what a job produced and why it was fast (acceptance statistics).
 
 The numbers come from one pass over the stored rows (`compute_stats`, a pure function,
-so tests recompute them independently); the command prints them as a table, as JSON,
-or draws them with matplotlib.
+so tests recompute them independently); `format_stats` writes them as a table and
+`plot_stats` draws them with matplotlib (the command: producer/cli/stats.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import click
-
 from eagle2_core.registry import draft_label
-from producer.db_cli import resolve_url, url_option
-from workers.db import get_job, iter_samples, latest_job_id, make_engine
 
 GROUP_COLUMNS = ("category", "shard", "finish_reason")
 # The fields stats reads: everything but the (large) output text.
@@ -300,44 +295,3 @@ def plot_stats(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-@click.command()
-@click.argument("job", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON.")
-@click.option("--by", type=click.Choice(GROUP_COLUMNS), help="Also report per group.")
-@click.option(
-    "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Write a PNG (histogram, acceptance by depth, tau by --by or category).",
-)
-@url_option
-def stats(
-    job: str | None, as_json: bool, by: str | None, plot: Path | None, url: str | None
-) -> None:
-    """Acceptance and throughput statistics of JOB (default: the latest job)."""
-    engine = make_engine(resolve_url(url))
-    try:
-        job_id = job or latest_job_id(engine)
-        job_row = get_job(engine, job_id) if job_id else None
-        if job_row is None:
-            raise click.ClickException(f"no job {job_id}" if job_id else "no jobs yet")
-        group_by = by or ("category" if plot else None)
-        overall, groups = accumulate(
-            iter_samples(engine, job_row["id"], columns=STATS_COLUMNS), group_by
-        )
-    finally:
-        engine.dispose()
-    result = summarize(overall, groups if by else {})
-    if as_json:
-        job_info = {
-            k: job_row[k]
-            for k in ("id", "state", "model", "draft", "mode", "n_expected", "n_rejected")
-        }
-        click.echo(json.dumps({"job": job_info, "by": by, **result}, indent=2))
-    else:
-        click.echo(format_stats(job_row, result, by))
-    if plot is not None:
-        plot_stats(plot, plot_title(job_row), overall, groups, group_by or "category")
-        if not as_json:
-            click.echo(f"\nplot written to {plot}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import producer.train_cli as train_cli
+import producer.training as train_cli
 from eagle2_core.draft import load_draft, new_draft_head, save_draft
 from eagle2_core.models import load_target
 from eagle2_core.train.data import is_validation

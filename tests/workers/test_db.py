@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 
 import migrations
 from producer.cli import main
-from workers import db
+from workers import db, schema
 from workers.settings import load_settings
 
 TABLES = {"jobs", "requests", "shards", "samples", "rejected_lines"}
@@ -360,7 +360,7 @@ def test_shard_lifecycle(engine, make_job):
 def test_session_factory_gives_orm_access(engine, make_job):
     job_id, _ = make_job(engine, n=3)
     with db.session_factory(engine)() as session:
-        job = session.get(db.Job, job_id)
+        job = session.get(schema.Job, job_id)
         assert job.state == "queued" and job.params["depth"] == 5
         job.state = "running"
         session.commit()

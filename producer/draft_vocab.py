@@ -1,4 +1,4 @@
-"""`eagle2-batch draft-vocab`: the draft vocabulary of a head, from answers the target wrote.
+"""The draft vocabulary of a head, from answers the target wrote (`eagle2-batch draft-vocab`).
 
 A head trained by `train-draft` gets one already; a public EAGLE-1/2 head does not, and
 drafts over the full vocabulary until it has one (slower, never wrong).
@@ -7,13 +7,20 @@ drafts over the full vocabulary until it has one (slower, never wrong).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import click
+from eagle2_core.registry import ModelLoadError, resolve_model
+from producer.jobs import JobError
 
-from eagle2_core.config import DRAFT_VOCAB_SIZE
-from eagle2_core.registry import DEFAULT_MODEL, ModelLoadError, resolve_model
+if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
+    from eagle2_core.vocab import DraftVocab
+
+
+class VocabError(JobError):
+    """No draft vocabulary can be made from these files for this model: why, in one line."""
 
 
 def answer_texts(path: Path) -> Iterator[str]:
@@ -34,7 +41,7 @@ def answer_texts(path: Path) -> Iterator[str]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise click.ClickException(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+                raise VocabError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
             if isinstance(obj.get("messages"), list):
                 for message in obj["messages"]:
                     if message.get("role") == "assistant" and message.get("content"):
@@ -45,32 +52,11 @@ def answer_texts(path: Path) -> Iterator[str]:
                 yield obj["output_text"]
 
 
-@click.command("draft-vocab")
-@click.argument("data", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
-@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="The target model.")
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="The head's folder: draft_vocab.safetensors is written there.",
-)
-@click.option(
-    "--size",
-    type=click.IntRange(min=1),
-    default=DRAFT_VOCAB_SIZE,
-    show_default=True,
-    help="Tokens in the draft vocabulary (the most frequent ones).",
-)
-def draft_vocab(data: tuple[Path, ...], model: str, out: Path, size: int) -> None:
-    """Write the draft vocabulary of a head from DATA: files of the target's answers.
-
-    Each DATA file is JSONL with `messages` (assistant turns count), rows of `eagle2-batch
-    export --format jsonl` (`output_text`), or a Parquet output file; every file weighs
-    the same. Best is the target's own answers, e.g. a `run --mode vanilla` job over
-    prompts like those the head will serve:
-
-        eagle2-batch draft-vocab out/answers.jsonl --model MODEL --out HEAD_DIR
-    """
+def write_draft_vocab(
+    data: tuple[Path, ...], model: str, out: Path, size: int
+) -> tuple[DraftVocab, list[Counter[int]], Path]:
+    """The `size` tokens most frequent in DATA's answers (every file weighs the same),
+    written to OUT; (the vocabulary, each file's token counts, the file written)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from eagle2_core.train.data import end_of_turn_id
@@ -81,17 +67,14 @@ def draft_vocab(data: tuple[Path, ...], model: str, out: Path, size: int) -> Non
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
         vocab_size = AutoConfig.from_pretrained(source, local_files_only=True).vocab_size
     except (OSError, ModelLoadError) as exc:
-        raise click.ClickException(f"cannot load the tokenizer of {model!r}: {exc}") from None
+        raise VocabError(f"cannot load the tokenizer of {model!r}: {exc}") from None
     stop = end_of_turn_id(tokenizer)
     sources = []
     for path in data:
         counts = count_answers(tokenizer, answer_texts(path), stop)
         if not counts:
-            raise click.ClickException(f"{path} holds no answers (see --help for the formats)")
+            raise VocabError(f"{path} holds no answers (see --help for the formats)")
         sources.append(counts)
     vocab = DraftVocab.most_frequent(mix(sources), size, vocab_size)
     out.mkdir(parents=True, exist_ok=True)
-    written = vocab.save(out, vocab_size)
-    for path, counts in zip(data, sources, strict=True):
-        click.echo(f"{path}: {sum(counts.values())} tokens, {vocab.coverage(counts):.1%} covered")
-    click.echo(f"{len(vocab)} tokens written to {written}")
+    return vocab, sources, vocab.save(out, vocab_size)

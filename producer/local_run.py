@@ -1,9 +1,10 @@
-"""`eagle2-batch run`: the embedded default, a whole job in this one process.
+"""A whole job in this one process: what `eagle2-batch run` does, and `train-draft` too
+for its answers.
 
-The same job creation as `submit` (producer/jobs.py), then every shard goes through
+The same job creation as `submit` (producer/creation.py), then every shard goes through
 the same `process_shard` the Celery workers call, here in a loop: SQLite and Parquet
-under --out, no Redis, no Postgres. Running the same command again finds the
-unfinished job (same input file, unchanged, and same settings) and decodes only what
+under the output folder, no Redis, no Postgres. Running the same job again finds the
+unfinished one (same input file, unchanged, and same settings) and decodes only what
 is missing.
 """
 
@@ -11,31 +12,41 @@ from __future__ import annotations
 
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import click
-from alembic.util import CommandError
 from sqlalchemy import Engine, select
-from sqlalchemy.exc import SQLAlchemyError
 from tqdm import tqdm
 
-import migrations
-from eagle2_core.config import AUTO, DEFAULT_BATCH_SIZE
-from producer.jobs import JobSpec, input_fingerprint
+from eagle2_core.config import AUTO
+from producer.creation import build_job
+from producer.database import open_database, prepare_database, safe_url
+from producer.jobs import JobError, JobSpec, input_fingerprint, one_line
 from producer.stats import STATS_COLUMNS, compute_stats, format_stats
-from producer.submit_cli import (
-    build_job,
-    database,
-    exit_for,
-    job_options,
-    job_status,
-    safe_url,
-    settings_for,
-    spec_from_options,
-)
-from workers.db import get_job, iter_samples, jobs_t, missing_shards, sample_counts
+from producer.status import job_status
+from workers.db import get_job, iter_samples, missing_shards, sample_counts
 from workers.parquet_sink import job_dir
+from workers.schema import jobs_t
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while decoding: what is stored stays, and the same run resumes the job."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"interrupted: run the same command to resume job {job_id}")
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """A finished local run: the job's final status, row and statistics, and where it is."""
+
+    job_id: str
+    status: dict[str, Any]
+    job: dict[str, Any]
+    stats: dict[str, Any]
+    parquet_dir: Path
+    database_url: str
 
 
 def unfinished_job(engine: Engine, input_path: Path, spec: JobSpec) -> dict[str, Any] | None:
@@ -76,14 +87,15 @@ def _load_decoder(spec: JobSpec, device: str, batch_size: int | None) -> Any:
             spec.model, spec.draft, spec.mode, device=device, dtype=dtype, batch_size=batch_size
         )
     except (DraftUnavailableError, DraftCheckpointError, ModelLoadError, OSError) as exc:
-        raise click.ClickException(str(exc).strip().splitlines()[0]) from exc
+        raise JobError(one_line(exc)) from exc
 
 
 def _announce_measuring(path: Path) -> None:
-    click.echo(
+    print(
         "measuring this machine's forward costs for --total-tokens auto (once, about half "
         f"a minute on a CPU; cached in {path})",
-        err=True,
+        file=sys.stderr,
+        flush=True,
     )
 
 
@@ -118,87 +130,56 @@ def _decode(engine: Engine, decoder: Any, job_id: str, out: Path) -> None:
                 break
 
 
-@click.command()
-@click.argument(
-    "input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False, path_type=Path)
-)
-@job_options
-@click.option(
-    "--device",
-    default="cpu",
-    show_default=True,
-    help="Where to decode: cpu, cuda or cuda:N (bf16 on GPUs, fp32 on CPUs).",
-)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(1),
-    help="Sequences decoded at once (continuous batching; outputs do not change). "
-    f"Default: {DEFAULT_BATCH_SIZE}.",
-)
-@click.option(
-    "--new-job",
-    is_flag=True,
-    help="Start a new job even when an unfinished one for this input and these settings "
-    "exists under --out (default: resume that one).",
-)
-def run(
-    input_path: Path, device: str, batch_size: int | None, new_job: bool, **options: Any
-) -> None:
-    """Run a whole job in this process: no Redis, no Postgres, no workers to start.
-
-    Validates INPUT like `submit` (same options, bad lines stored and skipped), then
-    decodes every sample here with a progress bar, writing rows to OUT/eagle2.db
-    (SQLite; EAGLE2_DATABASE_URL or --db-url to use another database) and Parquet to
-    OUT/job=<id>/shard=<n>.parquet, and prints the job's statistics at the end. Exits
-    non-zero if any sample failed.
-
-    Interrupted (Ctrl-C, a crash)? Run the same command again: it resumes the
-    unfinished job of the same input and settings, decoding only what is missing.
-
-    \b
-    Examples:
-      eagle2-batch run examples/prompts.jsonl --out out/
-      eagle2-batch run prompts.jsonl --out out/ --mode vanilla --max-new-tokens 64
-      eagle2-batch run prompts.jsonl --out out/ --draft heads/my-head --device cuda
-    """
-    spec = spec_from_options(options)
-    settings = settings_for(options["db_url"], options["out"])
-    if options["dry_run"]:
-        build_job(None, input_path, spec, strict=options["strict"])
-        return
-    try:
-        migrations.upgrade(settings.database_url)
-    except (CommandError, SQLAlchemyError) as exc:
-        raise click.ClickException(
-            f"cannot prepare the database {safe_url(settings.database_url)}: {exc}"
-        ) from exc
-    with database(settings.database_url) as engine:
+def run_job(
+    input_path: Path,
+    spec: JobSpec,
+    *,
+    database_url: str,
+    out: Path,
+    device: str = "cpu",
+    batch_size: int | None = None,
+    new_job: bool = False,
+    strict: bool = False,
+) -> LocalRun:
+    """Create (or, unless `new_job`, resume) the job of INPUT and decode it all here,
+    with progress on stderr. User errors raise JobError; Ctrl-C raises Interrupted."""
+    prepare_database(database_url)
+    with open_database(database_url) as engine:
         job = None if new_job else unfinished_job(engine, input_path, spec)
         if job is not None:
             job_id = job["id"]
             counts = sample_counts(engine, job_id)
-            click.echo(
+            print(
                 f"resuming job {job_id}: {counts['ok'] + counts['failed']} of "
                 f"{job['n_expected']} samples already stored (--new-job starts over)",
-                err=True,
+                file=sys.stderr,
+                flush=True,
             )
         else:
-            new_id, _ = build_job(engine, input_path, spec, strict=options["strict"])
-            assert new_id is not None
-            job_id = new_id
+            job_id, _ = build_job(engine, input_path, spec, strict=strict)
         decoder = _load_decoder(spec, device, batch_size)
         if spec.mode == "eagle2" and spec.params.get("total_tokens") == AUTO:
             decoder.engine.costs(decoder.batch_size, on_measure=_announce_measuring)
         try:
-            _decode(engine, decoder, job_id, settings.output_dir)
+            _decode(engine, decoder, job_id, out)
         except KeyboardInterrupt:
-            click.echo(f"\ninterrupted: run the same command to resume job {job_id}", err=True)
-            sys.exit(130)
-        final = job_status(engine, job_id)
+            raise Interrupted(job_id) from None
+        status = job_status(engine, job_id)  # first: it brings the job row's state up to date
         job_row = get_job(engine, job_id)
-        stats = compute_stats(iter_samples(engine, job_id, columns=STATS_COLUMNS))
-    click.echo(format_stats(job_row, stats, None))
-    click.echo(f"\nParquet: {job_dir(settings.output_dir, job_id)}")
-    click.echo(f"database: {safe_url(settings.database_url)}")
-    click.echo(job_id)
-    exit_for(final)
+        assert job_row is not None
+        return LocalRun(
+            job_id=job_id,
+            status=status,
+            job=job_row,
+            stats=compute_stats(iter_samples(engine, job_id, columns=STATS_COLUMNS)),
+            parquet_dir=job_dir(out, job_id),
+            database_url=database_url,
+        )
+
+
+def format_run(run: LocalRun) -> str:
+    """What `run` prints at the end: the job's statistics, where it is stored, its id."""
+    return (
+        f"{format_stats(run.job, run.stats, None)}\n\nParquet: {run.parquet_dir}\n"
+        f"database: {safe_url(run.database_url)}\n{run.job_id}"
+    )

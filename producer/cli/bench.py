@@ -12,8 +12,8 @@ import click
 
 from eagle2_core.config import AUTO
 from eagle2_core.registry import DEFAULT_MODEL
+from producer.cli.options import TREE_SIZE_HELP, TreeSize
 from producer.inputs import read_requests
-from producer.options import TREE_SIZE_HELP, TreeSize
 from producer.validate import Rejected
 
 

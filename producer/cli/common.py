@@ -1,0 +1,67 @@
+"""How the commands reach the library and report what it says: the job spec from the
+parsed options, the database, and JobError (every user error the library raises) as a
+one-line click error. Apart from options.py, which `bench` imports without a database
+library."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+from sqlalchemy import Engine
+
+from producer.database import open_database
+from producer.jobs import JobError, JobSpec, make_spec
+from producer.local_run import Interrupted
+from producer.status import job_failure
+
+
+def spec_from_options(options: dict[str, Any]) -> JobSpec:
+    """The job spec from the parsed job options (a bad combination is a usage error)."""
+    try:
+        return make_spec(
+            model=options["model"],
+            draft=options["draft"],
+            mode=options["mode"],
+            shard_size=options["shard_size"],
+            max_new_tokens=options["max_new_tokens"],
+            temperature=options["temperature"],
+            top_p=options["top_p"],
+            seed=options["seed"],
+            top_k=options["top_k"],
+            depth=options["depth"],
+            total_tokens=options["total_tokens"],
+        )
+    except JobError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """The library's outcomes as the CLI reports them: a JobError as its one-line reason
+    (exit status 1), an interrupted run as how to resume it (exit status 130)."""
+    try:
+        yield
+    except JobError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except Interrupted as exc:
+        click.echo(f"\n{exc}", err=True)
+        sys.exit(130)
+
+
+@contextmanager
+def database(url: str) -> Iterator[Engine]:
+    """An engine on a migrated database; its errors, and JobErrors of the block, become
+    one-line CLI errors."""
+    with user_errors(), open_database(url) as engine:
+        yield engine
+
+
+def exit_for(status: dict[str, Any]) -> None:
+    """Exit non-zero with the reason when a finished job did not fully succeed."""
+    failure = job_failure(status)
+    if failure:
+        raise click.ClickException(failure)

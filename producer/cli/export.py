@@ -1,0 +1,41 @@
+"""`eagle2-batch export`: a job's stored rows as JSONL, OpenAI Batch output, or Parquet
+(producer/export.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from producer.cli.options import resolve_url, url_option
+from producer.export import FORMATS, export_job
+from workers.db import make_engine
+
+
+@click.command()
+@click.argument("job")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default="jsonl",
+    show_default=True,
+    help="jsonl: one output row per line; openai: OpenAI Batch API output; parquet: one file.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="File to write (replaced atomically).",
+)
+@url_option
+def export(job: str, fmt: str, out: Path, url: str | None) -> None:
+    """Write JOB's outputs to a file, one row per sample in input order."""
+    engine = make_engine(resolve_url(url))
+    try:
+        n = export_job(engine, job, fmt, out)
+    except KeyError:
+        raise click.ClickException(f"no job {job}") from None
+    finally:
+        engine.dispose()
+    click.echo(f"wrote {n} rows ({fmt}) to {out}")

@@ -1,0 +1,187 @@
+"""Options shared by the commands, and the settings they select.
+
+Click and torch-free config only: no database library, so `bench` imports this where
+none is installed (benchmarks/gpu_check.sh runs it alone).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from eagle2_core.config import AUTO, MODES, DecodeConfig
+from eagle2_core.registry import DEFAULT_MODEL
+from producer.inputs import DEFAULT_SHARD_SIZE
+from producer.validate import MAX_SEED
+from workers.settings import Settings, load_settings
+
+_DEFAULTS = DecodeConfig()
+
+
+class TreeSize(click.ParamType):
+    """--total-tokens: 'auto' or a number of tree nodes >= 1."""
+
+    name = "auto|N"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or value == AUTO:
+            return value
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+        if number < 1:
+            self.fail(f"{value!r} is neither 'auto' nor an integer >= 1", param, ctx)
+        return number
+
+
+TREE_SIZE_HELP = (
+    "Tree nodes verified per EAGLE-2 round. 'auto' sizes every round's tree to this "
+    "device's measured forward costs and the draft's confidence (it shrinks to the root "
+    "alone where speculation cannot pay); a number fixes it."
+)
+
+# `db`, `stats` and `export`: the database alone.
+url_option = click.option(
+    "--url",
+    default=None,
+    help="Database URL (default: EAGLE2_DATABASE_URL, else the SQLite file in the output dir).",
+)
+
+# The job commands: the database, whose default follows --out where a command has one.
+db_url_option = click.option(
+    "--db-url",
+    "--url",
+    "db_url",
+    metavar="URL",
+    default=None,
+    help="Database URL, e.g. postgresql+psycopg://user@host/db "
+    "(default: EAGLE2_DATABASE_URL, else OUT/eagle2.db).",
+)
+
+
+def resolve_url(url: str | None) -> str:
+    """The --url value, else the configured database URL."""
+    return url or load_settings().database_url
+
+
+def settings_for(db_url: str | None, out: Path | None) -> Settings:
+    """Settings from the environment with the command line's --db-url and --out on top
+    (--out also moves the default SQLite database, unless a URL is given)."""
+    env = dict(os.environ)
+    if out is not None:
+        env["EAGLE2_OUTPUT_DIR"] = str(out)
+    settings = load_settings(env)
+    return replace(settings, database_url=db_url) if db_url else settings
+
+
+def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The options every job-creating command takes (submit, run), in --help order."""
+    options = [
+        click.option(
+            "--model",
+            default=DEFAULT_MODEL,
+            show_default=True,
+            help="Target model: a built-in alias (see `eagle2-batch models`), a local "
+            "Hugging Face model directory or a .gguf file.",
+        ),
+        click.option(
+            "--draft",
+            metavar="DIR",
+            default=None,
+            help="EAGLE draft head directory (config.json + model.safetensors). "
+            "Default: the head shipped for the model alias. Ignored with --mode vanilla.",
+        ),
+        click.option(
+            "--mode",
+            type=click.Choice(MODES),
+            default="eagle2",
+            show_default=True,
+            help="eagle2: dynamic draft tree; eagle1: static tree; vanilla: plain "
+            "decoding without a draft (the baseline).",
+        ),
+        click.option(
+            "--max-new-tokens",
+            type=click.IntRange(min=1),
+            default=_DEFAULTS.max_new_tokens,
+            show_default=True,
+            help="Tokens to generate per answer (a line's max_tokens overrides it).",
+        ),
+        click.option(
+            "--temperature",
+            type=click.FloatRange(min=0),
+            default=_DEFAULTS.temperature,
+            show_default=True,
+            help="0 is greedy; above 0 samples (output distribution unchanged by EAGLE).",
+        ),
+        click.option(
+            "--top-p",
+            type=click.FloatRange(0, 1, min_open=True),
+            default=_DEFAULTS.top_p,
+            show_default=True,
+            help="Nucleus sampling mass (with --temperature > 0).",
+        ),
+        click.option(
+            "--seed",
+            type=click.IntRange(0, MAX_SEED),
+            default=None,
+            help="Sampling seed for reproducible outputs (a line's seed overrides it).",
+        ),
+        click.option(
+            "--total-tokens",
+            type=TreeSize(),
+            default=_DEFAULTS.total_tokens,
+            show_default=True,
+            help=TREE_SIZE_HELP,
+        ),
+        click.option(
+            "--depth",
+            type=click.IntRange(min=1),
+            default=_DEFAULTS.depth,
+            show_default=True,
+            help="Draft tree depth: most drafted tokens a cycle can accept (with "
+            "--total-tokens auto, the most draft steps a round may take).",
+        ),
+        click.option(
+            "--top-k",
+            type=click.IntRange(min=1),
+            default=_DEFAULTS.top_k,
+            show_default=True,
+            help="Children expanded per draft tree node (with --total-tokens auto, "
+            "the widest a level may be).",
+        ),
+        click.option(
+            "--shard-size",
+            type=click.IntRange(min=1),
+            default=DEFAULT_SHARD_SIZE,
+            show_default=True,
+            help="Input lines per shard, the unit a worker takes and a resume redoes.",
+        ),
+        click.option(
+            "--strict",
+            is_flag=True,
+            help="Fail if any line is bad, before anything is written or run "
+            "(default: store the bad lines, run the good ones).",
+        ),
+        click.option(
+            "--dry-run",
+            is_flag=True,
+            help="Only validate INPUT and print the plan (lines, good, rejected, shards).",
+        ),
+        db_url_option,
+        click.option(
+            "--out",
+            type=click.Path(file_okay=False, path_type=Path),
+            default=None,
+            help="Output folder: Parquet files and the default SQLite database "
+            "(default: EAGLE2_OUTPUT_DIR, else ./eagle2-out).",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command

@@ -1,0 +1,83 @@
+"""`eagle2-batch submit`: stream the input into a job, then enqueue one Celery task per
+shard (producer/creation.py, producer/control.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from producer.cli.common import database, exit_for, spec_from_options, user_errors
+from producer.cli.options import job_options, settings_for
+from producer.control import enqueue_shards
+from producer.creation import build_job, format_plan, plan_input
+from producer.jobs import ok_sample_ids, shard_ids
+from producer.status import find_job, wait_for
+
+
+@click.command()
+@click.argument(
+    "input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@job_options
+@click.option(
+    "--resume-from",
+    metavar="JOB",
+    default=None,
+    help="Leave out sample ids already done (status ok) in JOB; its failed ones run again.",
+)
+@click.option("--wait", is_flag=True, help="Block with a progress bar until the job ends.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def submit(
+    input_path: Path, resume_from: str | None, wait: bool, as_json: bool, **options: Any
+) -> None:
+    """Validate INPUT and queue it as a job for the Celery workers.
+
+    INPUT is JSON Lines (prompt / messages / turns / OpenAI Batch lines) or Parquet.
+    The file is streamed: the job, its manifest of expected samples, the rejected lines
+    and the shards are stored first, then one task per shard goes to the model's queue
+    (EAGLE2_BROKER_URL). Bad lines do not stop the job; they are counted, the first
+    few quoted on stderr and all stored. The job id is the last line of stdout.
+
+    \b
+    Examples:
+      eagle2-batch submit prompts.jsonl --max-new-tokens 256
+      eagle2-batch submit prompts.jsonl --dry-run        # validate and plan only
+      JOB=$(eagle2-batch submit prompts.jsonl) && eagle2-batch status $JOB --watch
+    """
+    spec = spec_from_options(options)
+    settings = settings_for(options["db_url"], options["out"])
+    if options["dry_run"] and not resume_from:
+        with user_errors():
+            plan = plan_input(input_path, spec)
+        click.echo(format_plan(input_path, spec, plan, as_json))
+        return
+    with database(settings.database_url) as engine:
+        skip = ok_sample_ids(engine, find_job(engine, resume_from)["id"]) if resume_from else None
+        if options["dry_run"]:
+            plan = plan_input(input_path, spec, skip_ids=skip)
+            click.echo(format_plan(input_path, spec, plan, as_json))
+            return
+        job_id, plan = build_job(
+            engine,
+            input_path,
+            spec,
+            strict=options["strict"],
+            skip_ids=skip,
+            extra_params={"resume_from": resume_from} if resume_from else None,
+        )
+        queue = enqueue_shards(job_id, spec.model, shard_ids(engine, job_id))
+        click.echo(
+            f"job {job_id}: {plan.requests} samples in {plan.shards} shards queued on {queue}"
+            + (f", {plan.skipped} already done in {resume_from}" if plan.skipped else ""),
+            err=True,
+        )
+        result: dict[str, Any] = {"job_id": job_id, "queue": queue, **plan.as_dict()}
+        final = wait_for(engine, job_id) if wait else None
+        if final is not None:
+            result.update(state=final["state"], ok=final["ok"], failed=final["failed"])
+    click.echo(json.dumps(result) if as_json else job_id)
+    if final is not None:
+        exit_for(final)

@@ -1,0 +1,68 @@
+"""Steering a job on the cluster: enqueue its shards, cancel it, resume what is missing.
+
+The database is the truth about a job; these functions change its rows first and only
+then send tasks, so a lost message is always recoverable with `resume`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlalchemy import Engine
+
+from producer.jobs import JobError, one_line, set_shards_state
+from producer.status import find_job
+from workers.db import missing_shards, refresh_job_state, set_job_state
+
+
+def enqueue_shards(job_id: str, model: str, shards: list[int]) -> str:
+    """Send the shards to the model's queue; returns the queue name."""
+    from workers.celery_app import queue_for
+    from workers.tasks import enqueue_shard
+
+    try:
+        for shard in shards:
+            enqueue_shard(job_id, shard, model)
+    except Exception as exc:  # kombu raises its own and the socket's errors
+        raise JobError(
+            f"cannot reach the broker ({one_line(exc)}); job {job_id} is stored: "
+            f"`eagle2-batch resume {job_id}` enqueues it once the broker is up"
+        ) from exc
+    return queue_for(model)
+
+
+def cancel_job(engine: Engine, job: str) -> tuple[str, int]:
+    """Mark JOB and its unfinished shards cancelled; (job id, shards cancelled)."""
+    row = find_job(engine, job)
+    if not set_job_state(engine, row["id"], "cancelled", expect=["queued", "running"]):
+        state = find_job(engine, job)["state"]
+        raise JobError(f"job {row['id']} is {state}: nothing to cancel")
+    return row["id"], set_shards_state(engine, row["id"], "cancelled", expect=["queued", "running"])
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `resume_job` did: the shards it re-enqueued and on which queue; with no
+    shards, nothing was missing and `state` is the job's (refreshed) state."""
+
+    job_id: str
+    shards: list[int] = field(default_factory=list)
+    queue: str | None = None
+    state: str | None = None
+
+
+def resume_job(engine: Engine, job: str) -> Resumed:
+    """Re-enqueue every shard of JOB that misses samples or that no worker marked done."""
+    row = find_job(engine, job)
+    job_id = row["id"]
+    shards = missing_shards(engine, job_id)
+    if not shards:
+        return Resumed(job_id, state=refresh_job_state(engine, job_id))
+    if not row["n_expected"]:
+        raise JobError(
+            f"job {job_id} was never completely created (its submit was interrupted): "
+            "submit the input again"
+        )
+    set_shards_state(engine, job_id, "queued", shards=shards)
+    set_job_state(engine, job_id, "queued", expect=["cancelled", "failed", "completed"])
+    return Resumed(job_id, shards, enqueue_shards(job_id, row["model"], shards))

@@ -1,0 +1,371 @@
+"""Train an EAGLE draft head for a target, end to end (`eagle2-batch train-draft`).
+
+Stages, each resumable under OUT:
+  answers   the target answers the selected prompts through the product's own batch
+            path (`run_job` in vanilla mode, as `eagle2-batch run --mode vanilla`,
+            SQLite + Parquet in OUT/answers), read back from that SQLite database;
+  features  one target forward per conversation -> OUT/features/{train,val}/*.safetensors;
+  train     the EAGLE objective, checkpoints in OUT/checkpoints (continue with resume);
+  evaluate  held-out loss / top-1 and tau of EAGLE-2 decoding on a few prompts;
+  head      OUT/head: config.json + model.safetensors (public EAGLE format), the draft
+            vocabulary (draft_vocab.safetensors) and README.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+
+from eagle2_core.config import REFERENCE_TREE_TOKENS, DecodeConfig
+from eagle2_core.registry import ModelLoadError, encode_chat, shipped_draft
+from producer.inputs import DEFAULT_SHARD_SIZE
+from producer.jobs import JobError, make_spec
+from producer.local_run import format_run, run_job
+from producer.model_card import model_card
+from producer.status import job_failure
+from producer.training_data import (
+    Prompt,
+    TrainingError,
+    build_conversations,
+    prompt_lines,
+    read_conversations,
+    select_prompts,
+)
+from workers.db import iter_samples, make_engine
+from workers.schema import jobs_t
+
+if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
+    from eagle2_core.engine import Engine
+    from eagle2_core.models import Target
+    from eagle2_core.vocab import DraftVocab
+
+_DEFAULTS = DecodeConfig()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftTraining:
+    """What to train on and how: the options of `eagle2-batch train-draft`."""
+
+    model: str
+    prompts: Path | None  # prompts the target answers itself
+    conversations: tuple[Path, ...]  # conversations that have answers
+    max_conversations: int  # training conversations per file (0: all)
+    snapshot_tokens: list[int]  # answer-token counts at which a copy of the head is kept
+    out: Path
+    max_samples: int
+    val_samples: int
+    epochs: int
+    max_new_tokens: int
+    temperature: float
+    batch_size: int
+    answer_batch_size: int
+    lr: float
+    warmup_steps: int
+    max_len: int
+    checkpoint_every: int
+    eval_prompts: Path | None
+    eval_samples: int
+    device: str
+    precision: str  # auto, bf16 or fp32
+    seed: int
+    init_head: str | None  # a head folder or `shipped`
+    draft_vocab_size: int  # 0: the full vocabulary
+    resume: bool
+
+
+def answers_url(directory: Path) -> str:
+    """The answers' own SQLite database: never EAGLE2_DATABASE_URL's shared one."""
+    return f"sqlite:///{(directory / 'eagle2.db').resolve()}"
+
+
+def read_answers(directory: Path) -> dict[str, dict[str, Any]]:
+    """Successful answers by sample id, from every job `run` stored under directory.
+
+    Read from the database, which holds each sample as soon as it is decoded (Parquet
+    only per finished shard), so an interrupted or shrunk selection loses nothing.
+    """
+    if not (directory / "eagle2.db").exists():
+        return {}
+    engine = make_engine(answers_url(directory))
+    columns = ["sample_id", "output_text", "finish_reason", "status"]
+    answers: dict[str, dict[str, Any]] = {}
+    try:
+        with engine.connect() as conn:
+            job_ids = conn.execute(select(jobs_t.c.id).order_by(jobs_t.c.created_at)).scalars()
+            job_ids = list(job_ids)
+        for job_id in job_ids:
+            for row in iter_samples(engine, job_id, columns=columns):
+                if row["status"] == "ok" and row["output_text"] is not None:
+                    answers.setdefault(row["sample_id"], row)
+    finally:
+        engine.dispose()
+    return answers
+
+
+def generate_answers(
+    input_path: Path,
+    answers_dir: Path,
+    model: str,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    device: str,
+    batch_size: int,
+) -> None:
+    """Answer the prompts with the embedded batch path; it resumes what an earlier run began.
+
+    Samples that fail (a prompt longer than the context, say) are left out, not fatal.
+    """
+    try:
+        spec = make_spec(
+            model=model,
+            draft=None,
+            mode="vanilla",
+            shard_size=DEFAULT_SHARD_SIZE,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=_DEFAULTS.top_p,
+            seed=seed,
+            top_k=_DEFAULTS.top_k,
+            depth=_DEFAULTS.depth,
+            total_tokens=_DEFAULTS.total_tokens,
+        )
+        run = run_job(
+            input_path,
+            spec,
+            database_url=answers_url(answers_dir),
+            out=answers_dir,
+            device=device,
+            batch_size=batch_size,
+        )
+    except JobError as exc:
+        print(f"answers: {exc}; training on the answers that exist", flush=True)
+        return
+    print(format_run(run), flush=True)
+    failure = job_failure(run.status)
+    if failure:
+        print(f"answers: {failure}; training on the answers that exist", flush=True)
+
+
+def ensure_answers(
+    out: Path,
+    items: list[Prompt],
+    model: str,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    device: str,
+    batch_size: int,
+) -> dict[str, dict[str, Any]]:
+    """Answers to every item: those already in OUT/answers, plus a `run` over the rest.
+
+    Only the unanswered prompts go to `run`, so nothing is decoded twice, whether the
+    last call was interrupted or the selection grew. A marker holding the selection's
+    digest records a finished `run`, so prompts that failed there (too long, say) do not
+    send every later call back to decoding.
+    """
+    directory = out / "answers"
+    digest = hashlib.sha256(json.dumps(items).encode()).hexdigest()
+    marker = directory / "complete.sha256"
+    answers = read_answers(directory)
+    missing = [(i, m) for i, m in items if i not in answers]
+    if not missing or (marker.exists() and marker.read_text() == digest):
+        return answers
+    text = "".join(json.dumps({"id": i, "messages": m}) + "\n" for i, m in missing)
+    input_path = directory / "input.jsonl"
+    if not input_path.exists() or input_path.read_text(encoding="utf-8") != text:
+        directory.mkdir(parents=True, exist_ok=True)
+        input_path.write_text(text, encoding="utf-8")  # unchanged input: `run` resumes its job
+    print(f"answers: the target answers {len(missing)} prompts (vanilla decoding)", flush=True)
+    generate_answers(
+        input_path, directory, model, max_new_tokens, temperature, seed, device, batch_size
+    )
+    marker.write_text(digest)
+    return read_answers(directory)
+
+
+def _snapshots(
+    directory: Path, counts: list[int], vocab: DraftVocab | None, target: Target
+) -> Callable[[int, int, Any], None]:
+    """on_step for train(): a copy of the head each time tokens seen pass a count."""
+    from eagle2_core.draft import save_draft
+
+    pending = list(counts)
+
+    def on_step(step: int, tokens_seen: int, head: Any) -> None:
+        while pending and tokens_seen >= pending[0]:
+            where = save_draft(head, directory / f"tokens-{pending.pop(0)}")
+            if vocab is not None:
+                vocab.save(where, target.vocab_size)
+            (where / "snapshot.json").write_text(
+                json.dumps({"step": step, "tokens_seen": tokens_seen})
+            )
+
+    return on_step
+
+
+def _init_head_dir(init_head: str, model: str) -> Path:
+    """--init-head's folder: `shipped` names the package's head for a built-in alias."""
+    if init_head != "shipped":
+        return Path(init_head)
+    shipped = shipped_draft(model)
+    if shipped is None:
+        raise TrainingError(f"--init-head shipped: the package ships no head for {model}")
+    return shipped
+
+
+def measure_tau(
+    engine: Engine, questions: list[tuple[list[dict], list]], max_new_tokens: int, batch_size: int
+) -> float | None:
+    """Greedy EAGLE-2 tau (the reference's fixed tree) over the questions' first turns,
+    decoded in batches."""
+    config = DecodeConfig(
+        mode="eagle2", max_new_tokens=max_new_tokens, total_tokens=REFERENCE_TREE_TOKENS
+    )
+    tokenizer = engine.target.tokenizer
+    items = [(i, encode_chat(tokenizer, m), config) for i, (m, _) in enumerate(questions)]
+    rounds = cycles = 0
+    for _, generation in engine.generate_batch(items, batch_size):
+        rounds += generation.stats.round_tokens
+        cycles += generation.stats.n_cycles
+    return rounds / cycles if cycles else None
+
+
+def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
+    """Every stage, from the answers to the head; (the head's folder, the summary that
+    OUT/summary.json holds). Raises TrainingError (a JobError) with the reason."""
+    from eagle2_core.draft import DraftCheckpointError, load_draft, new_draft_head, save_draft
+    from eagle2_core.engine import Engine
+    from eagle2_core.models import load_target
+    from eagle2_core.train.data import count_answer_tokens, load_shards, write_feature_shards
+    from eagle2_core.train.loop import TrainConfig, train
+    from eagle2_core.vocab import DraftVocab, count_tokens
+
+    started = time.perf_counter()
+    train_items: list[Prompt] = []
+    val_items: list[Prompt] = []
+    if training.prompts is not None:
+        train_items, val_items = select_prompts(
+            training.prompts, training.max_samples, training.val_samples
+        )
+        if not train_items:
+            raise TrainingError(f"{training.prompts} has no training prompts")
+    answers = {}
+    if train_items or val_items:
+        answers = ensure_answers(
+            training.out,
+            train_items + val_items,
+            training.model,
+            training.max_new_tokens,
+            training.temperature,
+            training.seed,
+            training.device,
+            training.answer_batch_size,
+        )
+
+    try:
+        target = load_target(training.model, device=training.device)
+    except ModelLoadError as exc:
+        raise TrainingError(str(exc)) from None
+    train_convs = build_conversations(target, train_items, answers, training.max_len)
+    val_convs = build_conversations(target, val_items, answers, training.max_len)
+    for path in training.conversations:
+        given_train, given_val = read_conversations(
+            target, path, training.max_conversations, training.val_samples, training.max_len
+        )
+        train_convs += given_train
+        val_convs += given_val
+    if not train_convs:
+        raise TrainingError(f"no training prompt got an answer; see {training.out / 'answers'}")
+    train_data = load_shards(
+        write_feature_shards(target, train_convs, training.out / "features/train")
+    )
+    val_data = load_shards(write_feature_shards(target, val_convs, training.out / "features/val"))
+
+    config = TrainConfig(
+        epochs=training.epochs,
+        batch_size=training.batch_size,
+        lr=training.lr,
+        warmup_steps=training.warmup_steps,
+        checkpoint_every=training.checkpoint_every,
+        autocast=training.precision == "bf16"
+        or (training.precision == "auto" and training.device == "cuda"),
+        seed=training.seed,
+        device=training.device,
+    )
+    vocab = None
+    if training.draft_vocab_size:
+        counts = count_tokens(c.answer_ids for c in train_convs)
+        vocab = DraftVocab.most_frequent(counts, training.draft_vocab_size, target.vocab_size)
+    if training.init_head is None:
+        head = new_draft_head(target.model.config, seed=training.seed)
+    else:
+        try:
+            head = load_draft(
+                _init_head_dir(training.init_head, training.model), target.model.config
+            )
+        except DraftCheckpointError as exc:
+            raise TrainingError(f"--init-head: {exc}") from None
+    result = train(
+        head,
+        target,
+        train_data,
+        config,
+        training.out / "checkpoints",
+        training.resume,
+        val_data,
+        vocab_ids=vocab.ids if vocab is not None else None,
+        on_step=_snapshots(training.out / "snapshots", training.snapshot_tokens, vocab, target),
+    )
+    if result.validation is not None:
+        v = result.validation
+        print(
+            f"validation: loss {v.loss:.4f}, top-1 {v.top1:.1%} over {v.positions} tokens",
+            flush=True,
+        )
+
+    source = list(prompt_lines(training.eval_prompts)) if training.eval_prompts else val_items
+    questions = [(messages, []) for _, messages in source[: training.eval_samples]]
+    where = (
+        f"{training.eval_prompts.parent.name}/{training.eval_prompts.name}"
+        if training.eval_prompts
+        else "validation"
+    )
+    tau = None
+    if questions:  # the Engine casts the head to the target's dtype: measure after training
+        engine = Engine(target, head.eval(), vocab)
+        tau = measure_tau(engine, questions, training.max_new_tokens, training.answer_batch_size)
+    summary = {
+        "model": training.model,
+        "prompts": training.prompts.name if training.prompts is not None else None,
+        "conversations": [path.name for path in training.conversations],
+        "temperature": training.temperature,
+        "max_new_tokens": training.max_new_tokens,
+        "train_conversations": len(train_convs),
+        "train_answer_tokens": count_answer_tokens(train_data),
+        "validation_conversations": len(val_convs),
+        "steps": result.steps,
+        "tokens_seen": result.tokens_seen,
+        "train": asdict(result.train),
+        "validation": asdict(result.validation) if result.validation else None,
+        "history": result.history,
+        "tau": tau,
+        "tau_source": f"{len(questions)} first turns from {where}, "
+        f"{training.max_new_tokens} new tokens",
+        "init_head": training.init_head,
+        "draft_vocab": len(vocab) if vocab is not None else None,
+        "config": asdict(config),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    head_dir = save_draft(head, training.out / "head", card=model_card(summary, config))
+    if vocab is not None:
+        vocab.save(head_dir, target.vocab_size)
+    (training.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return head_dir, summary

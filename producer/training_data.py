@@ -1,0 +1,124 @@
+"""What `train-draft` learns from: prompts for the target to answer, conversations that
+have answers, both picked in a fixed hash order so a larger pick keeps a smaller one as
+its prefix (and the answers and feature shards already made stay valid)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from producer.jobs import JobError
+
+if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
+    from eagle2_core.models import Target
+    from eagle2_core.train.data import Conversation
+
+Prompt = tuple[str, list[dict]]  # (id, the messages of its first user turn)
+
+
+class TrainingError(JobError):
+    """The head cannot be trained as asked (a bad data file, a missing head): why, in one line."""
+
+
+def _rank(sample_id: object) -> str:
+    return hashlib.sha256(f"select:{sample_id}".encode()).hexdigest()
+
+
+def _messages(obj: dict[str, Any]) -> list[dict] | None:
+    """The first user turn of a prompt line (`prompt`, `messages` or benchmark `turns`)."""
+    if isinstance(obj.get("prompt"), str):
+        return [{"role": "user", "content": obj["prompt"]}]
+    if isinstance(obj.get("messages"), list):
+        return obj["messages"]
+    if isinstance(obj.get("turns"), list) and obj["turns"]:
+        return [{"role": "user", "content": obj["turns"][0]}]
+    return None
+
+
+def prompt_lines(path: Path) -> Iterator[Prompt]:
+    """(id, messages) per usable line; the id is the line's `id`, else its line number."""
+    with path.open(encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            messages = _messages(obj)
+            if messages is not None:
+                yield str(obj.get("id", obj.get("question_id", line_no))), messages
+
+
+def select_prompts(path: Path, max_train: int, max_val: int) -> tuple[list[Prompt], list[Prompt]]:
+    """Hash-ordered training and validation prompts: an even spread over the file's sources.
+
+    The order is fixed by the ids alone, so a larger --max-samples keeps the earlier
+    selection as its prefix and the answers and shards already made stay valid.
+    """
+    from eagle2_core.train.data import is_validation
+
+    items = sorted(prompt_lines(path), key=lambda item: _rank(item[0]))
+    train_items = [i for i in items if not is_validation(i[0])][:max_train]
+    val_items = [i for i in items if is_validation(i[0])][:max_val]
+    return train_items, val_items
+
+
+def build_conversations(
+    target: Target, items: list[Prompt], answers: dict, max_len: int
+) -> list[Conversation]:
+    """Conversations of the prompts that have an answer, in selection order."""
+    from eagle2_core.train.data import make_conversation
+
+    conversations = []
+    for sample_id, messages in items:
+        row = answers.get(sample_id)
+        if row is None:
+            continue
+        conversation = make_conversation(
+            target.tokenizer,
+            sample_id,
+            messages,
+            row["output_text"],
+            row["finish_reason"] == "stop",
+            max_len,
+        )
+        if conversation is not None:
+            conversations.append(conversation)
+    return conversations
+
+
+def read_conversations(
+    target: Target, path: Path, max_train: int, max_val: int, max_len: int
+) -> tuple[list[Conversation], list[Conversation]]:
+    """Hash-ordered training and validation conversations of a file with answers (as
+    select_prompts orders prompts: a larger pick keeps the smaller as its prefix)."""
+    from eagle2_core.train.data import conversation_from_messages, is_validation
+
+    lines = []
+    with path.open(encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TrainingError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+            if not isinstance(obj.get("messages"), list):
+                raise TrainingError(f"{path}:{line_no}: no `messages` list")
+            obj.setdefault("id", f"line-{line_no}")
+            lines.append(obj)
+    lines.sort(key=lambda obj: _rank(obj["id"]))
+    train_lines = [o for o in lines if not is_validation(str(o["id"]))]
+    val_lines = [o for o in lines if is_validation(str(o["id"]))][:max_val]
+    if max_train:
+        train_lines = train_lines[:max_train]
+
+    def convert(objs: list[dict]) -> list[Conversation]:
+        made = (
+            conversation_from_messages(target.tokenizer, str(o["id"]), o["messages"], max_len)
+            for o in objs
+        )
+        return [c for c in made if c is not None]
+
+    return convert(train_lines), convert(val_lines)
