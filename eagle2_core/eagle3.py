@@ -49,8 +49,9 @@ LAYER_KEYS = ("eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids")
 
 
 def reference_layers(num_layers: int) -> tuple[int, int, int]:
-    """The reference's low, middle and high layers: their inputs are the features."""
-    return (2, num_layers // 2, num_layers - 3)
+    """The reference's low, middle and high layers: their inputs are the features (kept
+    inside the model for toy models of fewer than five layers)."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
 
 
 class Eagle3Layer(nn.Module):

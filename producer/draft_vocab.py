@@ -6,13 +6,13 @@ drafts over the full vocabulary until it has one (slower, never wrong).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle2_core.registry import ModelLoadError, resolve_model
+from producer.inputs import json_objects
 from producer.jobs import JobError
 
 if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
@@ -34,22 +34,15 @@ def answer_texts(path: Path) -> Iterator[str]:
         for value in table.column(column).to_pylist():
             yield from (value if isinstance(value, list) else [value] if value else [])
         return
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise VocabError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
-            if isinstance(obj.get("messages"), list):
-                for message in obj["messages"]:
-                    if message.get("role") == "assistant" and message.get("content"):
-                        yield message["content"]
-            elif isinstance(obj.get("turn_outputs"), list):
-                yield from (t for t in obj["turn_outputs"] if t)
-            elif obj.get("output_text"):
-                yield obj["output_text"]
+    for _, obj in json_objects(path, VocabError):
+        if isinstance(obj.get("messages"), list):
+            for message in obj["messages"]:
+                if message.get("role") == "assistant" and message.get("content"):
+                    yield message["content"]
+        elif isinstance(obj.get("turn_outputs"), list):
+            yield from (t for t in obj["turn_outputs"] if t)
+        elif obj.get("output_text"):
+            yield obj["output_text"]
 
 
 def write_draft_vocab(

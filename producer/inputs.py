@@ -235,3 +235,17 @@ def plan_shards(items: Iterable[Request | Rejected], shard_size: int) -> Iterato
 def _shard(index: int, shard_size: int, requests: list[Request], rejected: list[Rejected]) -> Shard:
     first_line = index * shard_size + 1
     return Shard(index, first_line, first_line + shard_size - 1, requests, rejected)
+
+
+def json_objects(path: Path, error: Callable[[str], Exception]) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of a JSONL data file; a line that is not
+    JSON raises error("PATH:LINE: not JSON (why)"). For the training and vocabulary data,
+    which stop at the first bad line (a job's input instead keeps its good lines)."""
+    with path.open(encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(f"{path}:{line_no}: not JSON ({exc.msg})") from None

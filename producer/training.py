@@ -78,6 +78,8 @@ class DraftTraining:
     init_head: str | None  # a head folder or `shipped`
     draft_vocab_size: int  # 0: the full vocabulary
     resume: bool
+    arch: str = "eagle2"  # eagle2: the EAGLE-1/2 head; eagle3: fused layers + training-time test
+    ttt_steps: int = 3  # eagle3: draft steps unrolled per batch
 
 
 def answers_url(directory: Path) -> str:
@@ -191,24 +193,65 @@ def ensure_answers(
     return read_answers(directory)
 
 
+def save_head(
+    head: Any, directory: Path, vocab: DraftVocab | None, target: Target, card: str | None = None
+) -> Path:
+    """Write a head in its public layout: EAGLE-3 (its vocabulary inside) or EAGLE with
+    the draft vocabulary beside it."""
+    from eagle2_core.draft import save_draft
+    from eagle2_core.eagle3 import Eagle3Head, save_eagle3
+
+    if isinstance(head, Eagle3Head):
+        where = save_eagle3(head, directory)
+        if card is not None:
+            (where / "README.md").write_text(card)
+        return where
+    where = save_draft(head, directory, card=card)
+    if vocab is not None:
+        vocab.save(where, target.vocab_size)
+    return where
+
+
 def _snapshots(
     directory: Path, counts: list[int], vocab: DraftVocab | None, target: Target
 ) -> Callable[[int, int, Any], None]:
     """on_step for train(): a copy of the head each time tokens seen pass a count."""
-    from eagle2_core.draft import save_draft
-
     pending = list(counts)
 
     def on_step(step: int, tokens_seen: int, head: Any) -> None:
         while pending and tokens_seen >= pending[0]:
-            where = save_draft(head, directory / f"tokens-{pending.pop(0)}")
-            if vocab is not None:
-                vocab.save(where, target.vocab_size)
+            where = save_head(head, directory / f"tokens-{pending.pop(0)}", vocab, target)
             (where / "snapshot.json").write_text(
                 json.dumps({"step": step, "tokens_seen": tokens_seen})
             )
 
     return on_step
+
+
+def _new_head(training: DraftTraining, target: Target, vocab: DraftVocab | None) -> Any:
+    """The head training starts from: --init-head's, or a new one of --arch."""
+    import torch
+
+    from eagle2_core.draft import DraftCheckpointError, new_draft_head
+    from eagle2_core.eagle3 import Eagle3Head, new_eagle3_head
+    from eagle2_core.engine import load_head
+    from eagle2_core.vocab import DraftVocab
+
+    if training.init_head is None:
+        if training.arch == "eagle3":
+            full = DraftVocab(torch.arange(target.vocab_size))
+            return new_eagle3_head(target, vocab or full, seed=training.seed)
+        return new_draft_head(target.model.config, seed=training.seed)
+    try:
+        head, _ = load_head(target, _init_head_dir(training.init_head, training.model))
+    except DraftCheckpointError as exc:
+        raise TrainingError(f"--init-head: {exc}") from None
+    if isinstance(head, Eagle3Head) != (training.arch == "eagle3"):
+        raise TrainingError(
+            f"--init-head {training.init_head} is not an {training.arch} head: pass --arch "
+            f"{'eagle3' if isinstance(head, Eagle3Head) else 'eagle2'}"
+        )
+    return head
 
 
 def _init_head_dir(init_head: str, model: str) -> Path:
@@ -241,7 +284,7 @@ def measure_tau(
 def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
     """Every stage, from the answers to the head; (the head's folder, the summary that
     OUT/summary.json holds). Raises TrainingError (a JobError) with the reason."""
-    from eagle2_core.draft import DraftCheckpointError, load_draft, new_draft_head, save_draft
+    from eagle2_core.eagle3 import Eagle3Head, reference_layers
     from eagle2_core.engine import Engine
     from eagle2_core.models import load_target
     from eagle2_core.train.data import count_answer_tokens, load_shards, write_feature_shards
@@ -284,10 +327,15 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
         val_convs += given_val
     if not train_convs:
         raise TrainingError(f"no training prompt got an answer; see {training.out / 'answers'}")
+    # an EAGLE-3 head reads the inputs of three target layers too: they go in shards of
+    # their own, so the EAGLE-2 shards of the same data stay valid
+    eagle3 = training.arch == "eagle3"
+    layers = reference_layers(target.model.config.num_hidden_layers) if eagle3 else ()
+    features = training.out / ("features-eagle3" if eagle3 else "features")
     train_data = load_shards(
-        write_feature_shards(target, train_convs, training.out / "features/train")
+        write_feature_shards(target, train_convs, features / "train", layers=layers)
     )
-    val_data = load_shards(write_feature_shards(target, val_convs, training.out / "features/val"))
+    val_data = load_shards(write_feature_shards(target, val_convs, features / "val", layers=layers))
 
     config = TrainConfig(
         epochs=training.epochs,
@@ -299,20 +347,18 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
         or (training.precision == "auto" and training.device == "cuda"),
         seed=training.seed,
         device=training.device,
+        ttt_steps=training.ttt_steps,
     )
     vocab = None
     if training.draft_vocab_size:
         counts = count_tokens(c.answer_ids for c in train_convs)
         vocab = DraftVocab.most_frequent(counts, training.draft_vocab_size, target.vocab_size)
-    if training.init_head is None:
-        head = new_draft_head(target.model.config, seed=training.seed)
+    head = _new_head(training, target, vocab)
+    if isinstance(head, Eagle3Head):
+        vocab = None  # the head carries its own (d2t / t2d)
+        vocab_ids = head.vocab.ids
     else:
-        try:
-            head = load_draft(
-                _init_head_dir(training.init_head, training.model), target.model.config
-            )
-        except DraftCheckpointError as exc:
-            raise TrainingError(f"--init-head: {exc}") from None
+        vocab_ids = vocab.ids if vocab is not None else None
     result = train(
         head,
         target,
@@ -321,13 +367,15 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
         training.out / "checkpoints",
         training.resume,
         val_data,
-        vocab_ids=vocab.ids if vocab is not None else None,
+        vocab_ids=vocab_ids,
         on_step=_snapshots(training.out / "snapshots", training.snapshot_tokens, vocab, target),
     )
     if result.validation is not None:
         v = result.validation
+        by_step = ", ".join(f"{t:.1%}" for t in v.top1_by_step)
         print(
-            f"validation: loss {v.loss:.4f}, top-1 {v.top1:.1%} over {v.positions} tokens",
+            f"validation: loss {v.loss:.4f}, top-1 {v.top1:.1%} over {v.positions} tokens"
+            + (f" (by draft step: {by_step})" if by_step else ""),
             flush=True,
         )
 
@@ -360,12 +408,11 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
         "tau_source": f"{len(questions)} first turns from {where}, "
         f"{training.max_new_tokens} new tokens",
         "init_head": training.init_head,
-        "draft_vocab": len(vocab) if vocab is not None else None,
+        "draft_vocab": len(vocab_ids) if vocab_ids is not None else None,
+        "arch": training.arch,
         "config": asdict(config),
         "seconds": round(time.perf_counter() - started, 1),
     }
-    head_dir = save_draft(head, training.out / "head", card=model_card(summary, config))
-    if vocab is not None:
-        vocab.save(head_dir, target.vocab_size)
+    head_dir = save_head(head, training.out / "head", vocab, target, model_card(summary, config))
     (training.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return head_dir, summary

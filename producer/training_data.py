@@ -5,11 +5,11 @@ its prefix (and the answers and feature shards already made stay valid)."""
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from producer.inputs import json_objects
 from producer.jobs import JobError
 
 if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
@@ -40,14 +40,10 @@ def _messages(obj: dict[str, Any]) -> list[dict] | None:
 
 def prompt_lines(path: Path) -> Iterator[Prompt]:
     """(id, messages) per usable line; the id is the line's `id`, else its line number."""
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            messages = _messages(obj)
-            if messages is not None:
-                yield str(obj.get("id", obj.get("question_id", line_no))), messages
+    for line_no, obj in json_objects(path, TrainingError):
+        messages = _messages(obj)
+        if messages is not None:
+            yield str(obj.get("id", obj.get("question_id", line_no))), messages
 
 
 def select_prompts(path: Path, max_train: int, max_val: int) -> tuple[list[Prompt], list[Prompt]]:
@@ -96,18 +92,11 @@ def read_conversations(
     from eagle2_core.train.data import conversation_from_messages, is_validation
 
     lines = []
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TrainingError(f"{path}:{line_no}: not JSON ({exc.msg})") from None
-            if not isinstance(obj.get("messages"), list):
-                raise TrainingError(f"{path}:{line_no}: no `messages` list")
-            obj.setdefault("id", f"line-{line_no}")
-            lines.append(obj)
+    for line_no, obj in json_objects(path, TrainingError):
+        if not isinstance(obj.get("messages"), list):
+            raise TrainingError(f"{path}:{line_no}: no `messages` list")
+        obj.setdefault("id", f"line-{line_no}")
+        lines.append(obj)
     lines.sort(key=lambda obj: _rank(obj["id"]))
     train_lines = [o for o in lines if not is_validation(str(o["id"]))]
     val_lines = [o for o in lines if is_validation(str(o["id"]))][:max_val]

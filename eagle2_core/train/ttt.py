@@ -100,7 +100,7 @@ def ttt_loss(
         raise ValueError("an EAGLE-3 head trains on layer states: extract them with its layers")
     mask = batch.loss_mask
     with torch.no_grad():
-        target_p = torch.softmax(target_logits(batch.features[:, 1:]).float(), dim=-1)
+        target_p = torch.softmax(target_logits(batch.features[:, 1:].float()).float(), dim=-1)
     total, weights, by_step, first = None, 0.0, [], None
     for j, out in enumerate(unroll(head, embed, batch.input_ids, batch.layer_states, steps)):
         n = out.shape[1]

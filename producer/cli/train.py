@@ -196,6 +196,23 @@ def _token_counts(text: str) -> list[int]:
     "(written beside it as draft_vocab.safetensors); 0: the full vocabulary.",
 )
 @click.option(
+    "--arch",
+    type=click.Choice(["eagle2", "eagle3"]),
+    default="eagle2",
+    show_default=True,
+    help="eagle2: the EAGLE-1/2 head (fc over [embedding, final feature]); eagle3: "
+    "features fused from three target layers, its own lm_head over the draft vocabulary, "
+    "trained with training-time test (saved in the public EAGLE-3 layout).",
+)
+@click.option(
+    "--ttt-steps",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="--arch eagle3: draft steps unrolled per batch (the reference uses 7; each costs "
+    "a head forward).",
+)
+@click.option(
     "--resume",
     is_flag=True,
     help="Continue training from OUT/checkpoints. Answers and features always "
@@ -218,6 +235,8 @@ def train_draft(
       eagle2-batch train-draft --prompts train_prompts.jsonl --out work/ --max-samples 2000
       eagle2-batch train-draft --conversations train_conversations.jsonl --out work/ \\
           --prompts train_prompts.jsonl --max-samples 1000 --snapshot-tokens 200000,1000000
+      eagle2-batch train-draft --conversations train_conversations.jsonl --out work3/ \\
+          --arch eagle3 --max-conversations 2000
     """
     if prompts is None and not conversations:
         raise click.UsageError("give --prompts, --conversations or both")

@@ -11,12 +11,15 @@ import torch
 from click.testing import CliRunner
 
 import producer.training as train_cli
+from eagle2_core.config import DecodeConfig
 from eagle2_core.draft import load_draft, new_draft_head, save_draft
+from eagle2_core.eagle3 import Eagle3Head
+from eagle2_core.engine import Engine, load_head
 from eagle2_core.models import load_target
 from eagle2_core.train.data import is_validation
 from eagle2_core.vocab import DraftVocab
 from producer.cli import main
-from tests.eagle2_core.tiny import tiny_target
+from tests.eagle2_core.tiny import hf_greedy, tiny_target
 
 VALIDATION_IDS = ["alpaca-00056", "alpaca-00085", "alpaca-00087"]
 
@@ -226,3 +229,51 @@ def test_train_draft_on_conversations_decodes_nothing_and_snapshots(
         assert load_draft(snapshot) is not None and DraftVocab.load(snapshot) is not None
     bad = CliRunner().invoke(main, ["train-draft", "--model", str(model_dir), "--out", str(out)])
     assert bad.exit_code == 2 and "--prompts, --conversations or both" in bad.output
+
+
+def test_train_draft_arch_eagle3_writes_a_public_eagle3_head_that_decodes_exactly(
+    tmp_path: Path,
+) -> None:
+    target = tiny_target(seed=5, layers=6)
+    model_dir = tmp_path / "tiny-model"
+    target.model.save_pretrained(model_dir)
+    target.tokenizer.save_pretrained(model_dir)
+    ids = [f"c{n}" for n in range(12)] + VALIDATION_IDS
+    answers = [" ".join(f"t{30 + (n + k) % 40}" for k in range(8)) for n in range(len(ids))]
+    lines = [
+        {
+            "id": i,
+            "messages": [
+                {"role": "user", "content": f"t{7 + n} t{20 + n}"},
+                {"role": "assistant", "content": answers[n]},
+            ],
+        }
+        for n, i in enumerate(ids)
+    ]
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    args = ["train-draft", "--model", str(model_dir), "--conversations", str(path)]
+    args += ["--out", str(out), "--arch", "eagle3", "--ttt-steps", "2", "--epochs", "2"]
+    args += ["--batch-size", "4", "--eval-samples", "0", "--snapshot-tokens", "40"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["arch"] == "eagle3" and summary["steps"] == 6
+    assert len(summary["validation"]["top1_by_step"]) == 2  # held-out top-1 per draft step
+    config = json.loads((out / "head" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]  # inputs of layers 2, 3, 3
+    assert "training-time" in (out / "head" / "README.md").read_text()
+    loaded = load_target(str(model_dir))
+    head, vocab = load_head(loaded, out / "head")
+    assert isinstance(head, Eagle3Head) and vocab is None
+    assert (out / "snapshots" / "tokens-40" / "config.json").exists()
+    engine = Engine(loaded, head)
+    prompt = [5, 9, 30, 31]
+    got = engine.generate(prompt, DecodeConfig(max_new_tokens=12, total_tokens=8))
+    assert got.token_ids == hf_greedy(loaded, prompt, 12)
+    bad = CliRunner().invoke(
+        main, [*args[:-2], "--init-head", "shipped", "--model", "smollm2-135m"]
+    )
+    assert bad.exit_code != 0
