@@ -77,6 +77,8 @@ class DecodeConfig:
     depth: int = 5
     total_tokens: int | str = AUTO  # nodes verified per round (EAGLE-2), or AUTO
     static_tree: tuple[tuple[int, ...], ...] = DEFAULT_STATIC_TREE
+    # the output ends before the first of these strings (OpenAI's `stop`; finish "stop")
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +87,8 @@ class DecodeConfig:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
         if self.total_tokens != AUTO and (
             isinstance(self.total_tokens, bool)
             or not isinstance(self.total_tokens, int)

@@ -150,8 +150,8 @@ class BatchDecoder:
             context_len=len(prompt_ids),
             features=None if dynamic else features,
             next_tokens=None if dynamic else next_tokens,
-            finish=_finish(root, 1, config, target),
         )
+        seq.finish = _finish(seq, target)
         if dynamic:
             self._join_dynamic(features, next_tokens)
         self.rows.append(seq)
@@ -307,10 +307,10 @@ class BatchDecoder:
             if not seq.config.sampling.greedy:
                 seq.uniforms.take(n)
             kept = 0
-            for token in step.emitted_host[row][:n]:
+            for token in step.emitted_host[row][:n]:  # token by token, as plain decoding stops
                 seq.output.append(token)
                 kept += 1
-                seq.finish = _finish(token, len(seq.output), seq.config, self.target)
+                seq.finish = _finish(seq, self.target)
                 if seq.finish is not None:
                     break
             seq.stats.record(step.sizes[row], n - 1, n - 1 + step.offered[row], kept)
@@ -378,7 +378,9 @@ class BatchDecoder:
         self.rows = [self.rows[i] for i in order]
 
     def _retire(self, seq: _Sequence) -> None:
-        text = self.target.tokenizer.decode(seq.output, skip_special_tokens=True)
+        text = _text(seq, self.target)
+        cut = _first_stop(text, seq.config.stop)
+        text = text[:cut] if cut is not None else text
         generation = Generation(seq.output, text, seq.finish, seq.prompt_len, seq.stats)
         self.finished.append((seq.key, generation))
 
@@ -399,9 +401,23 @@ def _budget(config: DecodeConfig) -> int:
     return MAX_NODES if config.total_tokens == AUTO else config.total_tokens
 
 
-def _finish(token: int, n_out: int, config: DecodeConfig, target: Target) -> str | None:
-    if token in target.stop_ids:
+def _text(seq: _Sequence, target: Target) -> str:
+    return target.tokenizer.decode(seq.output, skip_special_tokens=True)
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where the first stop string starts in text, or None."""
+    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _finish(seq: _Sequence, target: Target) -> str | None:
+    """Why the sequence ends after its newest token, or None. A stop string is looked for
+    in the whole text (it may span tokens); only then, so rows without one pay nothing."""
+    if seq.output[-1] in target.stop_ids:
         return "stop"
-    if n_out >= config.max_new_tokens:
+    if seq.config.stop and _first_stop(_text(seq, target), seq.config.stop) is not None:
+        return "stop"
+    if len(seq.output) >= seq.config.max_new_tokens:
         return "length"
     return None
