@@ -29,6 +29,7 @@ from eagle2_core.registry import (
     resolve_model,
 )
 from producer.inputs import Rejected, Request, Shard, plan_shards, read_requests
+from producer.validate import stop_strings
 from workers.db import (
     insert_job,
     insert_rejected_lines,
@@ -39,7 +40,16 @@ from workers.db import (
 from workers.schema import SHARD_STATES, jobs_t, samples_t, shards_t
 
 # Parameters a job stores and workers read (workers/decoding.py CONFIG_KEYS).
-DECODE_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "top_k", "depth", "total_tokens")
+DECODE_KEYS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "depth",
+    "total_tokens",
+    "stop",
+)
 # How many rejected lines are quoted on stderr; all of them are stored.
 SHOWN_REJECTED = 10
 # Manifest rows per insert call: large enough to amortise a round trip, small enough
@@ -95,7 +105,12 @@ def make_spec(
     if unknown:
         raise ValueError(f"unknown decode parameters {sorted(unknown)}")
     try:
-        DecodeConfig(mode=mode, **{k: v for k, v in params.items() if v is not None})
+        if params.get("stop"):
+            params = {**params, "stop": stop_strings(params["stop"], "--stop")}
+        given = {k: v for k, v in params.items() if v is not None}
+        if "stop" in given:
+            given["stop"] = tuple(given["stop"])
+        DecodeConfig(mode=mode, **given)
     except ValueError as exc:
         raise JobError(str(exc)) from exc
     if shard_size < 1:

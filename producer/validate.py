@@ -25,6 +25,8 @@ MAX_ID_CHARS = 255
 MAX_NEW_TOKENS_LIMIT = 2**31 - 1
 # Fits a signed 64-bit BIGINT column and torch.manual_seed.
 MAX_SEED = 2**63 - 1
+# OpenAI's limit on `stop`.
+MAX_STOP_STRINGS = 4
 
 _CONTENT_FIELDS = ("prompt", "messages", "turns", "body")
 _ID_FIELDS = ("id", "question_id", "custom_id")
@@ -34,6 +36,7 @@ _TOP_OVERRIDES = (
     ("temperature", "temperature"),
     ("top_p", "top_p"),
     ("seed", "seed"),
+    ("stop", "stop"),
 )
 _BODY_OVERRIDES = (
     ("max_completion_tokens", "max_new_tokens"),
@@ -41,6 +44,7 @@ _BODY_OVERRIDES = (
     ("temperature", "temperature"),
     ("top_p", "top_p"),
     ("seed", "seed"),
+    ("stop", "stop"),
 )
 _OVERRIDE_KEYS = frozenset(key for key, _ in _TOP_OVERRIDES)
 _MISSING: Any = object()
@@ -220,7 +224,31 @@ def _openai_messages(obj: dict[str, Any]) -> list[dict[str, str]]:
     return _messages(body.get("messages", _MISSING), "body.messages")
 
 
-def _override(name: str, path: str, value: object) -> int | float:
+def stop_strings(value: object, what: str) -> list[str]:
+    """`stop` as OpenAI takes it (a string, or a list of up to 4) -> the list; raises
+    ValueError saying what was expected."""
+    strings = [value] if isinstance(value, str) else value
+    if (
+        type(strings) is not list
+        or not 1 <= len(strings) <= MAX_STOP_STRINGS
+        or not all(isinstance(x, str) and x for x in strings)
+    ):
+        raise ValueError(
+            f"{what}: expected a non-empty string or a list of 1 to {MAX_STOP_STRINGS} "
+            f"non-empty strings, got {_describe(value)}"
+        )
+    return list(strings)
+
+
+Override = int | float | list[str]
+
+
+def _override(name: str, path: str, value: object) -> Override:
+    if name == "stop":
+        try:
+            return stop_strings(value, f'field "{path}"')
+        except ValueError as exc:
+            raise InvalidLine(str(exc)) from None
     if name == "max_new_tokens":
         if type(value) is not int or not 1 <= value <= MAX_NEW_TOKENS_LIMIT:
             raise InvalidLine(
@@ -252,11 +280,11 @@ def _override(name: str, path: str, value: object) -> int | float:
     return number
 
 
-def _overrides(obj: dict[str, Any], body: object) -> dict[str, int | float]:
+def _overrides(obj: dict[str, Any], body: object) -> dict[str, Override]:
     """Per-line generation parameters; null means not set. Two spellings of one
     parameter on one line (say max_tokens and body.max_completion_tokens) are refused
     rather than silently picking one."""
-    out: dict[str, int | float] = {}
+    out: dict[str, Override] = {}
     where: dict[str, str] = {}
     for key, name in _TOP_OVERRIDES:
         value = obj.get(key)
@@ -271,7 +299,7 @@ def _overrides(obj: dict[str, Any], body: object) -> dict[str, int | float]:
 
 
 def _set_override(
-    out: dict[str, int | float], where: dict[str, str], name: str, path: str, value: object
+    out: dict[str, Override], where: dict[str, str], name: str, path: str, value: object
 ) -> None:
     if name in where:
         raise InvalidLine(f'fields "{where[name]}" and "{path}": expected at most one of them')

@@ -32,7 +32,16 @@ from workers.request import Request
 log = logging.getLogger(__name__)
 
 # Job params and per-line overrides that map onto DecodeConfig fields.
-CONFIG_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "top_k", "depth", "total_tokens")
+CONFIG_KEYS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "depth",
+    "total_tokens",
+    "stop",
+)
 
 _DEFAULTS = DecodeConfig()
 
@@ -120,6 +129,7 @@ class SampleDecoder:
         settings = {k: getattr(_DEFAULTS, k) for k in CONFIG_KEYS}
         settings.update({k: job_params[k] for k in CONFIG_KEYS if job_params.get(k) is not None})
         settings.update({k: v for k, v in request.overrides.items() if k in CONFIG_KEYS})
+        settings["stop"] = tuple(settings["stop"])  # JSON gives a list
         return settings
 
     def decode(

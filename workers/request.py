@@ -16,7 +16,7 @@ class Request:
 
     `messages` ends with the first user turn to answer; each of `followups` is a
     further user turn, answered in order after the previous answer (multi-turn).
-    `overrides` holds any of max_new_tokens, temperature, top_p, seed that replace
+    `overrides` holds any of max_new_tokens, temperature, top_p, seed, stop that replace
     the job's parameters for this sample only.
     """
 
@@ -24,7 +24,7 @@ class Request:
     line_no: int
     messages: list[dict[str, str]]
     followups: list[str] = field(default_factory=list)
-    overrides: dict[str, int | float] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
     custom_id: str | None = None
     category: str | None = None
 

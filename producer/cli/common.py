@@ -34,6 +34,7 @@ def spec_from_options(options: dict[str, Any]) -> JobSpec:
             top_k=options["top_k"],
             depth=options["depth"],
             total_tokens=options["total_tokens"],
+            stop=list(options["stop"]) or None,
         )
     except JobError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -133,6 +133,13 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
             help="Sampling seed for reproducible outputs (a line's seed overrides it).",
         ),
         click.option(
+            "--stop",
+            metavar="TEXT",
+            multiple=True,
+            help="End each answer before the first occurrence of TEXT (finish_reason "
+            "stop); repeat for up to 4 strings. A line's `stop` replaces them.",
+        ),
+        click.option(
             "--total-tokens",
             type=TreeSize(),
             default=_DEFAULTS.total_tokens,

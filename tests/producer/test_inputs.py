@@ -138,7 +138,13 @@ def test_openai_batch_line(tmp_path: Path) -> None:
         "req-1",
         1,
         [{"role": "system", "content": "S"}, user("Q")],
-        overrides={"max_new_tokens": 64, "temperature": 0.0, "top_p": 0.9, "seed": 3},
+        overrides={
+            "max_new_tokens": 64,
+            "temperature": 0.0,
+            "top_p": 0.9,
+            "seed": 3,
+            "stop": ["\n"],  # honoured now (it was ignored)
+        },
         custom_id="req-1",
     )
     assert isinstance(item, Request) and type(item.overrides["temperature"]) is float
@@ -897,3 +903,38 @@ def test_validation_only_raises_its_own_error(obj: Any) -> None:
         assert str(exc)
     else:
         assert request.messages and request.messages[-1]["role"] == "user"
+
+
+@pytest.mark.parametrize(
+    ("fields", "stop"),
+    [
+        ({"stop": "###"}, ["###"]),
+        ({"stop": ["a", "b c", "\n\n", "END"]}, ["a", "b c", "\n\n", "END"]),
+        ({"stop": None}, None),
+    ],
+)
+def test_stop_is_a_string_or_up_to_four(tmp_path: Path, fields: dict, stop: Any) -> None:
+    [item] = read(write(tmp_path, [{"id": "x", "prompt": "p", **fields}]))
+    assert item.overrides.get("stop") == stop
+    body = {"messages": [user("p")], **fields}
+    [line] = read(write(tmp_path, [{**OPENAI, "body": body}]))
+    assert line.overrides.get("stop") == stop
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (["a", "b", "c", "d", "e"], "an array of 5 items"),
+        (3, "3"),
+        ([], "an array of 0 items"),
+        (["ok", ""], "an array of 2 items"),
+        (["ok", 7], "an array of 2 items"),
+    ],
+)
+def test_bad_stop_values_name_the_line_and_field(tmp_path: Path, value: Any, shown: str) -> None:
+    items = read(write(tmp_path, [{"id": "good", "prompt": "ok"}, {"prompt": "x", "stop": value}]))
+    assert items[0] == Request("good", 1, [user("ok")])
+    assert str(items[1]) == (
+        'line 2: field "stop": expected a non-empty string or a list of 1 to 4 non-empty '
+        f"strings, got {shown}"
+    )

@@ -230,3 +230,40 @@ def test_run_dry_run_and_strict_write_nothing(tiny: tuple[Path, Path], tmp_path:
     result = CliRunner().invoke(main, [*base, "--strict"], env=unset)
     assert result.exit_code == 1 and "--strict: 1 bad line in" in result.stderr
     assert not out.exists() or not any(out.glob("job=*"))
+
+
+def test_stop_strings_per_line_and_per_job_cut_the_stored_answers(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, head = tiny
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 12, bad=False)
+    base = ["--model", str(model), "--draft", str(head), "--max-new-tokens", "12"]
+    full = run_cli(str(prompts), "--out", str(tmp_path / "full"), *base, cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    rows = read_job_parquet(tmp_path / "full", full.stdout.split()[-1]).to_pylist()
+    texts = {r["sample_id"]: r["output_text"] for r in rows if len(r["output_text"].split()) > 1}
+    assert len(texts) >= 3
+    # a stop across the first token boundary of each answer ("8 t6" in "t58 t66 ..")
+    stops = {i: t.split()[0][-1] + " " + t.split()[1][:2] for i, t in texts.items()}
+    p0, p1, p2 = sorted(texts)[:3]
+    lines = [json.loads(line) for line in prompts.read_text().splitlines()]
+    lines = [line for line in lines if line["id"] in (p0, p1, p2)]
+    lines[0]["stop"] = stops[p0]  # a line's own stop
+    lines[1]["stop"] = ["never", stops[p1]]
+    lines.append({"id": "bad", "prompt": "t5", "stop": ["a", "b", "c", "d", "e"]})
+    (tmp_path / "stops.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    job = ["--out", str(out), *base, "--stop", stops[p2]]  # the third takes the job's
+    done = run_cli(str(tmp_path / "stops.jsonl"), *job, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert 'line 4: field "stop": expected a non-empty string or a list of 1 to 4' in done.stderr
+    stored = {r["sample_id"]: r for r in read_job_parquet(out, done.stdout.split()[-1]).to_pylist()}
+    assert sorted(stored) == [p0, p1, p2]
+    for sample_id, row in stored.items():
+        text = texts[sample_id]
+        assert row["output_text"] == text[: text.index(stops[sample_id])]
+        assert row["finish_reason"] == "stop"
+    five = [x for s in "abcde" for x in ("--stop", s)]
+    too_many = run_cli(str(prompts), "--out", str(out), *base, *five, cwd=tmp_path)
+    assert too_many.returncode == 2
+    assert "--stop: expected a non-empty string or a list of 1 to 4" in too_many.stderr

@@ -95,6 +95,7 @@ def test_per_line_overrides_win_over_job_params(decoder):
         "top_k": 4,
         "depth": 3,
         "total_tokens": DecodeConfig().total_tokens,
+        "stop": (),
     }
     row = decode(decoder, req)
     assert row["completion_tokens"] == 3
