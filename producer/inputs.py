@@ -66,17 +66,21 @@ def read_requests(
     max_line_bytes: int = MAX_LINE_BYTES,
     count_prompt_tokens: Callable[[Request], int] | None = None,
     max_context: int | None = None,
+    system: str | None = None,
 ) -> Iterator[Request | Rejected]:
     """Stream `path` as Requests and Rejected lines, in file order.
 
     A `.parquet` suffix reads Parquet (row numbers, from 1, stand for line numbers);
     anything else is JSONL. Blank lines are skipped and yield nothing. Pass
     `count_prompt_tokens` with `max_context` to refuse prompts that leave no room to
-    generate. Arguments are checked now; the file is opened on first iteration.
+    generate; `system` to open every conversation without a system message with it.
+    Arguments are checked now; the file is opened on first iteration.
     """
     if max_line_bytes < 1:
         raise ValueError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
-    validator = Validator(count_prompt_tokens=count_prompt_tokens, max_context=max_context)
+    validator = Validator(
+        count_prompt_tokens=count_prompt_tokens, max_context=max_context, system=system
+    )
     path = Path(path)
     if path.suffix.lower() == ".parquet":
         records: Iterator[Record | Rejected] = _parquet_records(path)

@@ -78,10 +78,13 @@ class JobSpec:
     mode: str
     params: dict[str, Any]
     shard_size: int
+    system: str | None = None  # opens every conversation that has no system message
 
     def stored_params(self, **extra: Any) -> dict[str, Any]:
-        """The job row's params: decode settings, the shard size and any `extra` notes."""
-        return {**self.params, "shard_size": self.shard_size, **extra}
+        """The job row's params: decode settings, the shard size, the job's system prompt
+        and any `extra` notes."""
+        system = {"system": self.system} if self.system is not None else {}
+        return {**self.params, "shard_size": self.shard_size, **system, **extra}
 
 
 def _local_or_name(name: str) -> str:
@@ -91,7 +94,13 @@ def _local_or_name(name: str) -> str:
 
 
 def make_spec(
-    *, model: str, draft: str | None, mode: str, shard_size: int, **params: Any
+    *,
+    model: str,
+    draft: str | None,
+    mode: str,
+    shard_size: int,
+    system: str | None = None,
+    **params: Any,
 ) -> JobSpec:
     """Check the options together; raises JobError with the reason.
 
@@ -124,7 +133,9 @@ def make_spec(
             raise JobError(f"mode {mode}: {exc}") from None
     else:
         draft = _local_or_name(draft)
-    return JobSpec(model=model, draft=draft, mode=mode, params=params, shard_size=shard_size)
+    if system is not None and not system.strip():
+        raise JobError("--system: the system prompt is empty")
+    return JobSpec(model, draft, mode, params, shard_size, system)
 
 
 def context_check(model: str) -> ContextCheck:
@@ -206,15 +217,17 @@ class Plan:
 
 def _scan(
     input_path: Path,
-    shard_size: int,
+    spec: JobSpec,
     context: ContextCheck,
     skip_ids: Collection[str],
     plan: Plan,
     on_lines: Callable[[int], None] | None,
 ) -> Iterator[tuple[Shard, list[Request]]]:
     count, max_context = context
-    items = read_requests(input_path, count_prompt_tokens=count, max_context=max_context)
-    for shard in plan_shards(items, shard_size):
+    items = read_requests(
+        input_path, count_prompt_tokens=count, max_context=max_context, system=spec.system
+    )
+    for shard in plan_shards(items, spec.shard_size):
         keep = [r for r in shard.requests if r.sample_id not in skip_ids]
         plan.add(shard, keep)
         if on_lines is not None:
@@ -232,7 +245,7 @@ def plan_job(
 ) -> Plan:
     """Validate the whole input and count what a job would hold; writes nothing."""
     plan = Plan()
-    for _ in _scan(input_path, spec.shard_size, context, skip_ids, plan, on_lines):
+    for _ in _scan(input_path, spec, context, skip_ids, plan, on_lines):
         pass
     return plan
 
@@ -277,7 +290,7 @@ def create_job(
             rejected.clear()
             shards.clear()
 
-        for shard, keep in _scan(input_path, spec.shard_size, context, skip_ids, plan, on_lines):
+        for shard, keep in _scan(input_path, spec, context, skip_ids, plan, on_lines):
             if strict and shard.rejected:
                 raise JobError(f"--strict: {shard.rejected[0]} (the input changed?)")
             requests.extend(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from workers.request import Request
@@ -387,7 +387,9 @@ class Validator:
     accepted request (the only memory that grows with the file) to refuse duplicates.
 
     `count_prompt_tokens` and `max_context` come from the caller, which owns the
-    tokenizer: a request whose prompt leaves no room to generate is refused.
+    tokenizer: a request whose prompt leaves no room to generate is refused. `system`
+    (the job's --system) opens every conversation that has no system message of its own,
+    before the length check.
     """
 
     def __init__(
@@ -395,6 +397,7 @@ class Validator:
         *,
         count_prompt_tokens: Callable[[Request], int] | None = None,
         max_context: int | None = None,
+        system: str | None = None,
     ) -> None:
         if (count_prompt_tokens is None) != (max_context is None):
             raise ValueError("count_prompt_tokens and max_context go together")
@@ -404,6 +407,7 @@ class Validator:
         if count_prompt_tokens is not None and max_context is not None:
             self._context_check = (count_prompt_tokens, max_context)
         self._first_line: dict[str, int] = {}
+        self._system = {"role": "system", "content": system} if system is not None else None
 
     def check(self, obj: object, line_no: int) -> Request | Rejected:
         """The Request for this record, or why it is refused."""
@@ -411,6 +415,8 @@ class Validator:
             request = request_from_object(obj, line_no)
         except InvalidLine as exc:
             return Rejected(line_no, exc.sample_id, str(exc))
+        if self._system is not None and request.messages[0]["role"] != "system":
+            request = replace(request, messages=[dict(self._system), *request.messages])
         sample_id = request.sample_id
         first = self._first_line.get(sample_id)
         if first is not None:

@@ -19,8 +19,17 @@ from producer.local_run import Interrupted
 from producer.status import job_failure
 
 
+def _system(options: dict[str, Any]) -> str | None:
+    if options["system"] is not None and options["system_file"] is not None:
+        raise click.UsageError("give --system or --system-file, not both")
+    if options["system_file"] is not None:
+        return options["system_file"].read_text(encoding="utf-8")
+    return options["system"]
+
+
 def spec_from_options(options: dict[str, Any]) -> JobSpec:
     """The job spec from the parsed job options (a bad combination is a usage error)."""
+    system = _system(options)
     try:
         return make_spec(
             model=options["model"],
@@ -35,6 +44,7 @@ def spec_from_options(options: dict[str, Any]) -> JobSpec:
             depth=options["depth"],
             total_tokens=options["total_tokens"],
             stop=list(options["stop"]) or None,
+            system=system,
         )
     except JobError as exc:
         raise click.UsageError(str(exc)) from exc

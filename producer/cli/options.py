@@ -133,6 +133,19 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
             help="Sampling seed for reproducible outputs (a line's seed overrides it).",
         ),
         click.option(
+            "--system",
+            metavar="TEXT",
+            default=None,
+            help="A system prompt for the whole job: it opens every conversation that has "
+            "no system message of its own (stored with the job).",
+        ),
+        click.option(
+            "--system-file",
+            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            default=None,
+            help="As --system, the prompt read from FILE (UTF-8).",
+        ),
+        click.option(
             "--stop",
             metavar="TEXT",
             multiple=True,

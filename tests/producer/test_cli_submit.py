@@ -188,6 +188,22 @@ def test_dry_run_prints_the_plan_and_writes_nothing(
     engine.dispose()
 
 
+def test_system_file_counts_in_the_length_check_and_excludes_system(
+    sqlite_url: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    path = write_input(tmp_path / "in.jsonl", 4, bad_at=())
+    args = ["submit", str(path), "--model", str(tiny_model), "--mode", "vanilla", "--dry-run"]
+    args += ["--db-url", sqlite_url, "--json"]
+    system = tmp_path / "system.txt"
+    system.write_text("t5 " * 600, encoding="utf-8")  # longer than the tiny context
+    result = cli(*args, "--system-file", str(system))
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["rejected"] == 4  # every prompt now overflows
+    assert "leaves no room to generate" in result.stderr
+    both = cli(*args, "--system-file", str(system), "--system", "Hi")
+    assert both.exit_code == 2 and "give --system or --system-file, not both" in both.output
+
+
 @pytest.mark.integration
 def test_strict_fails_before_anything_is_written_or_enqueued(
     pg_url: str, broker: redis.Redis, tiny_model: Path, tmp_path: Path

@@ -305,3 +305,24 @@ def test_prompt_counter_is_exact_for_tokenizers_with_a_normalizer() -> None:
     count = prompt_token_counter(tokenizer, 10_000)
     messages = [{"role": "user", "content": "t5 t6 t7"}]
     assert count(_request(messages)) == len(encode_chat(tokenizer, messages)) == 6
+
+
+def test_a_job_system_prompt_opens_conversations_without_one(
+    engine: Engine, tiny_model: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "in.jsonl"
+    own = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "t6"}]
+    lines = [{"id": "a", "prompt": "t5"}, {"id": "b", "messages": own}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    job_spec = make_spec(model=str(tiny_model), draft=None, mode="vanilla", shard_size=5,
+                         system="Be brief.")  # fmt: skip
+    job_id, plan = create_job(engine, path, job_spec, jobs.context_check(str(tiny_model)))
+    payloads = {r["sample_id"]: r["payload"] for r in _rows(engine, db.requests_t, job_id)}
+    assert payloads["a"]["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "t5"},
+    ]
+    assert payloads["b"]["messages"] == own  # its own system message stays alone
+    assert db.get_job(engine, job_id)["params"]["system"] == "Be brief."
+    with pytest.raises(JobError, match="--system: the system prompt is empty"):
+        make_spec(model=str(tiny_model), draft=None, mode="vanilla", shard_size=5, system=" ")
