@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from producer.validate import Rejected, Request, Validator
+from producer.validate import InvalidLine, Rejected, Request, quote, request_from_object
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -253,3 +253,60 @@ def json_objects(path: Path, error: Callable[[str], Exception]) -> Iterator[tupl
                 yield line_no, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise error(f"{path}:{line_no}: not JSON ({exc.msg})") from None
+
+
+class Validator:
+    """Checks records of one file in order. Stateful: it remembers the id of every
+    accepted request (the only memory that grows with the file) to refuse duplicates.
+
+    `count_prompt_tokens` and `max_context` come from the caller, which owns the
+    tokenizer: a request whose prompt leaves no room to generate is refused. `system`
+    (the job's --system) opens every conversation that has no system message of its own,
+    before the length check.
+    """
+
+    def __init__(
+        self,
+        *,
+        count_prompt_tokens: Callable[[Request], int] | None = None,
+        max_context: int | None = None,
+        system: str | None = None,
+    ) -> None:
+        if (count_prompt_tokens is None) != (max_context is None):
+            raise ValueError("count_prompt_tokens and max_context go together")
+        if max_context is not None and max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {max_context}")
+        self._context_check: tuple[Callable[[Request], int], int] | None = None
+        if count_prompt_tokens is not None and max_context is not None:
+            self._context_check = (count_prompt_tokens, max_context)
+        self._first_line: dict[str, int] = {}
+        self._system = {"role": "system", "content": system} if system is not None else None
+
+    def check(self, obj: object, line_no: int) -> Request | Rejected:
+        """The Request for this record, or why it is refused."""
+        try:
+            request = request_from_object(obj, line_no)
+        except InvalidLine as exc:
+            return Rejected(line_no, exc.sample_id, str(exc))
+        if self._system is not None and request.messages[0]["role"] != "system":
+            request = replace(request, messages=[dict(self._system), *request.messages])
+        sample_id = request.sample_id
+        first = self._first_line.get(sample_id)
+        if first is not None:
+            return Rejected(
+                line_no,
+                sample_id,
+                f"duplicate sample id {quote(sample_id)}: first used on line {first}",
+            )
+        if self._context_check is not None:
+            count_prompt_tokens, max_context = self._context_check
+            n_tokens = count_prompt_tokens(request)
+            if n_tokens >= max_context:
+                return Rejected(
+                    line_no,
+                    sample_id,
+                    f"prompt is {n_tokens} tokens; the model's context is {max_context} "
+                    "tokens, which leaves no room to generate",
+                )
+        self._first_line[sample_id] = line_no
+        return request

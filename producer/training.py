@@ -16,15 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
-from eagle2_core.config import REFERENCE_TREE_TOKENS, DecodeConfig
-from eagle2_core.registry import ModelLoadError, encode_chat, shipped_draft
+from eagle2_core.config import DecodeConfig
+from eagle2_core.registry import ModelLoadError
 from producer.inputs import DEFAULT_SHARD_SIZE
 from producer.jobs import JobError, make_spec
 from producer.local_run import format_run, run_job
@@ -38,13 +37,12 @@ from producer.training_data import (
     read_conversations,
     select_prompts,
 )
+from producer.training_heads import measure_tau, save_head, snapshots, starting_head
 from workers.db import iter_samples, make_engine
 from workers.schema import jobs_t
 
 if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
-    from eagle2_core.engine import Engine
-    from eagle2_core.models import Target
-    from eagle2_core.vocab import DraftVocab
+    pass
 
 _DEFAULTS = DecodeConfig()
 
@@ -193,94 +191,6 @@ def ensure_answers(
     return read_answers(directory)
 
 
-def save_head(
-    head: Any, directory: Path, vocab: DraftVocab | None, target: Target, card: str | None = None
-) -> Path:
-    """Write a head in its public layout: EAGLE-3 (its vocabulary inside) or EAGLE with
-    the draft vocabulary beside it."""
-    from eagle2_core.draft import save_draft
-    from eagle2_core.eagle3 import Eagle3Head, save_eagle3
-
-    if isinstance(head, Eagle3Head):
-        where = save_eagle3(head, directory)
-        if card is not None:
-            (where / "README.md").write_text(card)
-        return where
-    where = save_draft(head, directory, card=card)
-    if vocab is not None:
-        vocab.save(where, target.vocab_size)
-    return where
-
-
-def _snapshots(
-    directory: Path, counts: list[int], vocab: DraftVocab | None, target: Target
-) -> Callable[[int, int, Any], None]:
-    """on_step for train(): a copy of the head each time tokens seen pass a count."""
-    pending = list(counts)
-
-    def on_step(step: int, tokens_seen: int, head: Any) -> None:
-        while pending and tokens_seen >= pending[0]:
-            where = save_head(head, directory / f"tokens-{pending.pop(0)}", vocab, target)
-            (where / "snapshot.json").write_text(
-                json.dumps({"step": step, "tokens_seen": tokens_seen})
-            )
-
-    return on_step
-
-
-def _new_head(training: DraftTraining, target: Target, vocab: DraftVocab | None) -> Any:
-    """The head training starts from: --init-head's, or a new one of --arch."""
-    import torch
-
-    from eagle2_core.draft import DraftCheckpointError, new_draft_head
-    from eagle2_core.eagle3 import Eagle3Head, new_eagle3_head
-    from eagle2_core.engine import load_head
-    from eagle2_core.vocab import DraftVocab
-
-    if training.init_head is None:
-        if training.arch == "eagle3":
-            full = DraftVocab(torch.arange(target.vocab_size))
-            return new_eagle3_head(target, vocab or full, seed=training.seed)
-        return new_draft_head(target.model.config, seed=training.seed)
-    try:
-        head, _ = load_head(target, _init_head_dir(training.init_head, training.model))
-    except DraftCheckpointError as exc:
-        raise TrainingError(f"--init-head: {exc}") from None
-    if isinstance(head, Eagle3Head) != (training.arch == "eagle3"):
-        raise TrainingError(
-            f"--init-head {training.init_head} is not an {training.arch} head: pass --arch "
-            f"{'eagle3' if isinstance(head, Eagle3Head) else 'eagle2'}"
-        )
-    return head
-
-
-def _init_head_dir(init_head: str, model: str) -> Path:
-    """--init-head's folder: `shipped` names the package's head for a built-in alias."""
-    if init_head != "shipped":
-        return Path(init_head)
-    shipped = shipped_draft(model)
-    if shipped is None:
-        raise TrainingError(f"--init-head shipped: the package ships no head for {model}")
-    return shipped
-
-
-def measure_tau(
-    engine: Engine, questions: list[tuple[list[dict], list]], max_new_tokens: int, batch_size: int
-) -> float | None:
-    """Greedy EAGLE-2 tau (the reference's fixed tree) over the questions' first turns,
-    decoded in batches."""
-    config = DecodeConfig(
-        mode="eagle2", max_new_tokens=max_new_tokens, total_tokens=REFERENCE_TREE_TOKENS
-    )
-    tokenizer = engine.target.tokenizer
-    items = [(i, encode_chat(tokenizer, m), config) for i, (m, _) in enumerate(questions)]
-    rounds = cycles = 0
-    for _, generation in engine.generate_batch(items, batch_size):
-        rounds += generation.stats.round_tokens
-        cycles += generation.stats.n_cycles
-    return rounds / cycles if cycles else None
-
-
 def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
     """Every stage, from the answers to the head; (the head's folder, the summary that
     OUT/summary.json holds). Raises TrainingError (a JobError) with the reason."""
@@ -353,7 +263,9 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
     if training.draft_vocab_size:
         counts = count_tokens(c.answer_ids for c in train_convs)
         vocab = DraftVocab.most_frequent(counts, training.draft_vocab_size, target.vocab_size)
-    head = _new_head(training, target, vocab)
+    head = starting_head(
+        training.arch, training.init_head, training.model, training.seed, target, vocab
+    )
     if isinstance(head, Eagle3Head):
         vocab = None  # the head carries its own (d2t / t2d)
         vocab_ids = head.vocab.ids
@@ -368,7 +280,7 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
         training.resume,
         val_data,
         vocab_ids=vocab_ids,
-        on_step=_snapshots(training.out / "snapshots", training.snapshot_tokens, vocab, target),
+        on_step=snapshots(training.out / "snapshots", training.snapshot_tokens, vocab, target),
     )
     if result.validation is not None:
         v = result.validation

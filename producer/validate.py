@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from workers.request import Request
@@ -71,7 +70,7 @@ class InvalidLine(ValueError):
         self.sample_id = sample_id
 
 
-def _quote(text: str, limit: int = 40) -> str:
+def quote(text: str, limit: int = 40) -> str:
     """A short JSON-quoted excerpt that is always valid UTF-8 (it may go to a database)."""
     excerpt = json.dumps(text[:limit], ensure_ascii=False)
     if len(text) > limit:
@@ -93,7 +92,7 @@ def _describe(value: object) -> str:
         text = repr(value)
         return text if len(text) <= 40 else text[:40] + "..."
     if type(value) is str:
-        return "an empty string" if not value else _quote(value)
+        return "an empty string" if not value else quote(value)
     if type(value) is list:
         return f"an array of {len(value)} items"
     if type(value) is dict:
@@ -189,7 +188,7 @@ def _messages(value: object, path: str) -> list[dict[str, str]]:
     if role != "user":
         raise InvalidLine(
             f'field "{path}[{len(out) - 1}].role": expected the last message to be from '
-            f'"user" (the turn to answer), got {_quote(role)}'
+            f'"user" (the turn to answer), got {quote(role)}'
         )
     return out
 
@@ -380,60 +379,3 @@ def request_from_object(obj: object, line_no: int) -> Request:
         category=category,
     )
     return request
-
-
-class Validator:
-    """Checks records of one file in order. Stateful: it remembers the id of every
-    accepted request (the only memory that grows with the file) to refuse duplicates.
-
-    `count_prompt_tokens` and `max_context` come from the caller, which owns the
-    tokenizer: a request whose prompt leaves no room to generate is refused. `system`
-    (the job's --system) opens every conversation that has no system message of its own,
-    before the length check.
-    """
-
-    def __init__(
-        self,
-        *,
-        count_prompt_tokens: Callable[[Request], int] | None = None,
-        max_context: int | None = None,
-        system: str | None = None,
-    ) -> None:
-        if (count_prompt_tokens is None) != (max_context is None):
-            raise ValueError("count_prompt_tokens and max_context go together")
-        if max_context is not None and max_context < 1:
-            raise ValueError(f"max_context must be >= 1, got {max_context}")
-        self._context_check: tuple[Callable[[Request], int], int] | None = None
-        if count_prompt_tokens is not None and max_context is not None:
-            self._context_check = (count_prompt_tokens, max_context)
-        self._first_line: dict[str, int] = {}
-        self._system = {"role": "system", "content": system} if system is not None else None
-
-    def check(self, obj: object, line_no: int) -> Request | Rejected:
-        """The Request for this record, or why it is refused."""
-        try:
-            request = request_from_object(obj, line_no)
-        except InvalidLine as exc:
-            return Rejected(line_no, exc.sample_id, str(exc))
-        if self._system is not None and request.messages[0]["role"] != "system":
-            request = replace(request, messages=[dict(self._system), *request.messages])
-        sample_id = request.sample_id
-        first = self._first_line.get(sample_id)
-        if first is not None:
-            return Rejected(
-                line_no,
-                sample_id,
-                f"duplicate sample id {_quote(sample_id)}: first used on line {first}",
-            )
-        if self._context_check is not None:
-            count_prompt_tokens, max_context = self._context_check
-            n_tokens = count_prompt_tokens(request)
-            if n_tokens >= max_context:
-                return Rejected(
-                    line_no,
-                    sample_id,
-                    f"prompt is {n_tokens} tokens; the model's context is {max_context} "
-                    "tokens, which leaves no room to generate",
-                )
-        self._first_line[sample_id] = line_no
-        return request
