@@ -51,6 +51,20 @@ DEFAULT_STATIC_TREE: tuple[tuple[int, ...], ...] = (
 )
 
 
+# The DecodeConfig fields a job stores in its params and a line may override (with the
+# mode and draft kept apart): what producer and workers agree a job's settings are.
+JOB_DECODE_KEYS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "depth",
+    "total_tokens",
+    "stop",
+)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Target sampling parameters; temperature 0 means greedy."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from sqlalchemy import Engine, delete, select, update
 
-from eagle2_core.config import DecodeConfig
+from eagle2_core.config import JOB_DECODE_KEYS, DecodeConfig
 from eagle2_core.registry import (
     DraftUnavailableError,
     ModelLoadError,
@@ -39,17 +39,6 @@ from workers.db import (
 )
 from workers.schema import SHARD_STATES, jobs_t, samples_t, shards_t
 
-# Parameters a job stores and workers read (workers/decoding.py CONFIG_KEYS).
-DECODE_KEYS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "top_k",
-    "depth",
-    "total_tokens",
-    "stop",
-)
 # How many rejected lines are quoted on stderr; all of them are stored.
 SHOWN_REJECTED = 10
 # Manifest rows per insert call: large enough to amortise a round trip, small enough
@@ -110,7 +99,7 @@ def make_spec(
     model alias; eagle1/eagle2 without one is refused here rather than by every worker.
     Vanilla decoding stores no draft.
     """
-    unknown = params.keys() - set(DECODE_KEYS)
+    unknown = params.keys() - set(JOB_DECODE_KEYS)
     if unknown:
         raise ValueError(f"unknown decode parameters {sorted(unknown)}")
     try:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from eagle2_core.config import DEFAULT_BATCH_SIZE, MODES, DecodeConfig
+from eagle2_core.config import DEFAULT_BATCH_SIZE, JOB_DECODE_KEYS, MODES, DecodeConfig
 from eagle2_core.engine import (
     BatchDecoder,
     Engine,
@@ -32,16 +32,6 @@ from workers.request import Request
 log = logging.getLogger(__name__)
 
 # Job params and per-line overrides that map onto DecodeConfig fields.
-CONFIG_KEYS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "top_k",
-    "depth",
-    "total_tokens",
-    "stop",
-)
 
 _DEFAULTS = DecodeConfig()
 
@@ -126,9 +116,10 @@ class SampleDecoder:
 
     def config_for(self, request: Request, job_params: Mapping[str, Any]) -> dict[str, Any]:
         """The decode settings of one sample: defaults < job params < per-line overrides."""
-        settings = {k: getattr(_DEFAULTS, k) for k in CONFIG_KEYS}
-        settings.update({k: job_params[k] for k in CONFIG_KEYS if job_params.get(k) is not None})
-        settings.update({k: v for k, v in request.overrides.items() if k in CONFIG_KEYS})
+        keys = JOB_DECODE_KEYS
+        settings = {k: getattr(_DEFAULTS, k) for k in keys}
+        settings.update({k: job_params[k] for k in keys if job_params.get(k) is not None})
+        settings.update({k: v for k, v in request.overrides.items() if k in keys})
         settings["stop"] = tuple(settings["stop"])  # JSON gives a list
         return settings
 
