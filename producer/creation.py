@@ -40,11 +40,32 @@ def report_rejected(plan: Plan, job_id: str | None) -> None:
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
+def report_identical(plan: Plan) -> None:
+    """Say on stderr when greedy requests ask for several completions: they will agree."""
+    if plan.identical:
+        print(
+            f"note: {plan.identical} request{'s' * (plan.identical != 1)} with n > 1 "
+            "decode greedily (temperature 0), so their completions are identical; "
+            "set --temperature (or a line's temperature) for different samples",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def describe_counts(plan: Plan) -> str:
+    """'12 samples', or '4 requests x n = 12 completions' when lines ask for several."""
+    if plan.completions == plan.requests:
+        return f"{plan.completions} samples"
+    return f"{plan.requests} requests, {plan.completions} completions"
+
+
 def format_plan(input_path: Path, spec: JobSpec, plan: Plan, as_json: bool) -> str:
     """What a dry run prints: the counts of the plan, as text or one JSON object."""
     if as_json:
         return json.dumps({"input": str(input_path), "dry_run": True, **plan.as_dict()})
     lines = [f"input     {input_path}", f"lines     {plan.lines}", f"good      {plan.requests}"]
+    if plan.completions != plan.requests:
+        lines.append(f"samples   {plan.completions} (completions: n per request)")
     if plan.skipped:
         lines.append(f"skipped   {plan.skipped} (already done in the --resume-from job)")
     lines += [
@@ -61,6 +82,7 @@ def plan_input(input_path: Path, spec: JobSpec, skip_ids: set[str] | None = None
     with _reading_bar() as bar:
         plan = plan_job(input_path, spec, context, skip_ids=skip_ids or set(), on_lines=bar.update)
     report_rejected(plan, None)
+    report_identical(plan)
     return plan
 
 
@@ -102,9 +124,10 @@ def build_job(
             on_lines=bar.update,
         )
     report_rejected(plan, job_id)
-    if not plan.requests:
+    report_identical(plan)
+    if not plan.completions:
         refresh_job_state(engine, job_id)
-        why = f"all {plan.skipped} good lines were already done" if plan.skipped else "no good line"
+        why = f"all {plan.skipped} samples were already done" if plan.skipped else "no good line"
         raise JobError(
             f"nothing to run in {input_path}: {why} ({plan.rejected} rejected); job {job_id}"
         )

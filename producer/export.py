@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
-from itertools import islice
+from itertools import groupby, islice
 from pathlib import Path
 from typing import Any
 
@@ -33,38 +33,48 @@ def _json_default(value: Any) -> str:
     raise TypeError(f"cannot export {type(value).__name__} value {value!r}")
 
 
-def openai_line(row: Mapping[str, Any]) -> dict[str, Any]:
-    """One OpenAI Batch API output line for an output row.
+def openai_line(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One OpenAI Batch API output line for a request: its completions' rows (one, or the
+    n of a line that asked for several) as `choices[0..n-1]`.
 
-    `custom_id` is the input's custom_id, else the sample id. Ids are derived from
-    (job_id, sample_id), so exporting twice gives identical files. A failed sample has
-    `response: null` and `error: {code, message}`.
+    `custom_id` is the input's custom_id, else the line's id. Ids are derived from
+    (job_id, request_id), so exporting twice gives identical files. A request with a
+    failed completion has `response: null` and `error: {code, message}` (the other
+    completions are in the jsonl and Parquet exports).
     """
-    digest = hashlib.sha256(f"{row['job_id']}\0{row['sample_id']}".encode()).hexdigest()
-    custom_id = row["custom_id"] if row["custom_id"] is not None else row["sample_id"]
+    first = rows[0]
+    request_id = first["request_id"]
+    digest = hashlib.sha256(f"{first['job_id']}\0{request_id}".encode()).hexdigest()
+    custom_id = first["custom_id"] if first["custom_id"] is not None else request_id
     line: dict[str, Any] = {"id": f"batch_req_{digest[:24]}", "custom_id": custom_id}
-    if row["status"] != "ok":
+    failed = [row for row in rows if row["status"] != "ok"]
+    if failed:
         line["response"] = None
-        line["error"] = {"code": "generation_failed", "message": row["error"]}
+        message = failed[0]["error"]
+        if len(rows) > 1:
+            message = f"completion {failed[0]['choice_index']} of {len(rows)}: {message}"
+        line["error"] = {"code": "generation_failed", "message": message}
         return line
-    prompt_tokens = row["prompt_tokens"] or 0
-    completion_tokens = row["completion_tokens"] or 0
+    prompt_tokens = first["prompt_tokens"] or 0
+    completion_tokens = sum(row["completion_tokens"] or 0 for row in rows)
     line["response"] = {
         "status_code": 200,
         "request_id": f"req_{digest[24:48]}",
         "body": {
             "id": f"chatcmpl-{digest[48:64]}",
             "object": "chat.completion",
-            "created": int(as_utc(row["created_at"]).timestamp()),
-            "model": row["model"],
+            "created": int(max(as_utc(row["created_at"]) for row in rows).timestamp()),
+            "model": first["model"],
             "choices": [
                 {
-                    "index": 0,
+                    "index": row["choice_index"],
                     "message": {"role": "assistant", "content": row["output_text"]},
                     "logprobs": None,
                     "finish_reason": row["finish_reason"],
                 }
+                for row in rows
             ],
+            # As OpenAI counts n > 1: the prompt once, every choice's tokens.
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
@@ -74,6 +84,12 @@ def openai_line(row: Mapping[str, Any]) -> dict[str, Any]:
     }
     line["error"] = None
     return line
+
+
+def by_request(rows: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """Rows in line order (`iter_samples`) grouped into one list per request."""
+    for _, group in groupby(rows, key=lambda row: (row["line_no"], row["request_id"])):
+        yield list(group)
 
 
 def _batches(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
@@ -104,7 +120,8 @@ def _write_parquet(path: Path, rows: Iterable[dict[str, Any]], metadata: dict[st
 def export_job(engine: Engine, job_id: str, fmt: str, out: Path) -> int:
     """Write job `job_id` to `out` in `fmt` (jsonl|openai|parquet), in line order.
 
-    Returns the number of rows written; raises KeyError for an unknown job.
+    Returns the number of rows written (openai: one per request, its completions as
+    choices; else one per completion); raises KeyError for an unknown job.
     """
     job = get_job(engine, job_id)
     if job is None:
@@ -118,7 +135,7 @@ def export_job(engine: Engine, job_id: str, fmt: str, out: Path) -> int:
         if fmt == "jsonl":
             n = _write_lines(tmp, rows)
         elif fmt == "openai":
-            n = _write_lines(tmp, (openai_line(r) for r in rows))
+            n = _write_lines(tmp, (openai_line(group) for group in by_request(rows)))
         else:
             meta = {k: job[k] for k in ("model", "draft", "mode", "params")}
             n = _write_parquet(tmp, rows, {"job_id": job_id, **meta})

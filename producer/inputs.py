@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from producer.validate import InvalidLine, Rejected, Request, quote, request_from_object
+from workers.request import completion_id
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -48,6 +49,7 @@ _PARQUET_COLUMNS = (
     "temperature",
     "top_p",
     "seed",
+    "n",
 )
 _BOM = b"\xef\xbb\xbf"
 _JSON_SPACE = " \t\n\r"
@@ -67,19 +69,21 @@ def read_requests(
     count_prompt_tokens: Callable[[Request], int] | None = None,
     max_context: int | None = None,
     system: str | None = None,
+    n: int = 1,
 ) -> Iterator[Request | Rejected]:
     """Stream `path` as Requests and Rejected lines, in file order.
 
     A `.parquet` suffix reads Parquet (row numbers, from 1, stand for line numbers);
     anything else is JSONL. Blank lines are skipped and yield nothing. Pass
     `count_prompt_tokens` with `max_context` to refuse prompts that leave no room to
-    generate; `system` to open every conversation without a system message with it.
-    Arguments are checked now; the file is opened on first iteration.
+    generate; `system` to open every conversation without a system message with it; `n`
+    for the completions of a line that does not say. Arguments are checked now; the
+    file is opened on first iteration.
     """
     if max_line_bytes < 1:
         raise ValueError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
     validator = Validator(
-        count_prompt_tokens=count_prompt_tokens, max_context=max_context, system=system
+        count_prompt_tokens=count_prompt_tokens, max_context=max_context, system=system, n=n
     )
     path = Path(path)
     if path.suffix.lower() == ".parquet":
@@ -257,12 +261,13 @@ def json_objects(path: Path, error: Callable[[str], Exception]) -> Iterator[tupl
 
 class Validator:
     """Checks records of one file in order. Stateful: it remembers the id of every
-    accepted request (the only memory that grows with the file) to refuse duplicates.
+    accepted request and of its completions (the only memory that grows with the file)
+    to refuse duplicates, so no two samples of a job share an id.
 
     `count_prompt_tokens` and `max_context` come from the caller, which owns the
     tokenizer: a request whose prompt leaves no room to generate is refused. `system`
     (the job's --system) opens every conversation that has no system message of its own,
-    before the length check.
+    before the length check; `n` is the completions of a line that does not say.
     """
 
     def __init__(
@@ -271,6 +276,7 @@ class Validator:
         count_prompt_tokens: Callable[[Request], int] | None = None,
         max_context: int | None = None,
         system: str | None = None,
+        n: int = 1,
     ) -> None:
         if (count_prompt_tokens is None) != (max_context is None):
             raise ValueError("count_prompt_tokens and max_context go together")
@@ -281,23 +287,28 @@ class Validator:
             self._context_check = (count_prompt_tokens, max_context)
         self._first_line: dict[str, int] = {}
         self._system = {"role": "system", "content": system} if system is not None else None
+        self._n = n
 
     def check(self, obj: object, line_no: int) -> Request | Rejected:
         """The Request for this record, or why it is refused."""
         try:
-            request = request_from_object(obj, line_no)
+            request = request_from_object(obj, line_no, self._n)
         except InvalidLine as exc:
             return Rejected(line_no, exc.sample_id, str(exc))
         if self._system is not None and request.messages[0]["role"] != "system":
             request = replace(request, messages=[dict(self._system), *request.messages])
         sample_id = request.sample_id
-        first = self._first_line.get(sample_id)
-        if first is not None:
-            return Rejected(
-                line_no,
-                sample_id,
-                f"duplicate sample id {quote(sample_id)}: first used on line {first}",
-            )
+        ids = [sample_id]  # the line's, and with n > 1 those of its completions
+        if request.n > 1:
+            ids += [completion_id(sample_id, k) for k in range(request.n)]
+        for taken in ids:
+            first = self._first_line.get(taken)
+            if first is not None:
+                return Rejected(
+                    line_no,
+                    sample_id,
+                    f"duplicate sample id {quote(taken)}: first used on line {first}",
+                )
         if self._context_check is not None:
             count_prompt_tokens, max_context = self._context_check
             n_tokens = count_prompt_tokens(request)
@@ -308,5 +319,6 @@ class Validator:
                     f"prompt is {n_tokens} tokens; the model's context is {max_context} "
                     "tokens, which leaves no room to generate",
                 )
-        self._first_line[sample_id] = line_no
+        for taken in ids:
+            self._first_line[taken] = line_no
         return request

@@ -29,7 +29,7 @@ from eagle2_core.registry import (
     resolve_model,
 )
 from producer.inputs import Rejected, Request, Shard, plan_shards, read_requests
-from producer.validate import stop_strings
+from producer.validate import completions_count, stop_strings
 from workers.db import (
     insert_job,
     insert_rejected_lines,
@@ -68,12 +68,19 @@ class JobSpec:
     params: dict[str, Any]
     shard_size: int
     system: str | None = None  # opens every conversation that has no system message
+    n: int = 1  # completions of a line that does not say
 
     def stored_params(self, **extra: Any) -> dict[str, Any]:
-        """The job row's params: decode settings, the shard size, the job's system prompt
-        and any `extra` notes."""
+        """The job row's params: decode settings, the shard size, the job's system prompt,
+        its completions per line and any `extra` notes."""
         system = {"system": self.system} if self.system is not None else {}
-        return {**self.params, "shard_size": self.shard_size, **system, **extra}
+        n = {"n": self.n} if self.n != 1 else {}
+        return {**self.params, "shard_size": self.shard_size, **system, **n, **extra}
+
+    def greedy(self, request: Request) -> bool:
+        """Whether the request decodes greedily (temperature 0), its own or the job's."""
+        temperature = request.overrides.get("temperature", self.params.get("temperature"))
+        return not temperature
 
 
 def _local_or_name(name: str) -> str:
@@ -89,6 +96,7 @@ def make_spec(
     mode: str,
     shard_size: int,
     system: str | None = None,
+    n: int = 1,
     **params: Any,
 ) -> JobSpec:
     """Check the options together; raises JobError with the reason.
@@ -124,7 +132,11 @@ def make_spec(
         draft = _local_or_name(draft)
     if system is not None and not system.strip():
         raise JobError("--system: the system prompt is empty")
-    return JobSpec(model, draft, mode, params, shard_size, system)
+    try:
+        completions_count(n, "--n")
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+    return JobSpec(model, draft, mode, params, shard_size, system, n)
 
 
 def context_check(model: str) -> ContextCheck:
@@ -175,17 +187,21 @@ class Plan:
     """What one pass over the input found (the dry-run report and the job's counts)."""
 
     lines: int = 0  # non-blank lines
-    requests: int = 0  # good lines that will run
+    requests: int = 0  # good lines with a completion to run
+    completions: int = 0  # samples that will run: each request's n, less those skipped
     rejected: int = 0
-    skipped: int = 0  # good lines already done in the --resume-from job
+    skipped: int = 0  # completions already done in the --resume-from job
     shards: int = 0  # shards with at least one request to run
+    identical: int = 0  # requests of several completions decoded greedily: all the same
     examples: list[Rejected] = field(default_factory=list)
 
-    def add(self, shard: Shard, keep: list[Request]) -> None:
-        """Count one shard of `plan_shards` output, of which `keep` runs."""
+    def add(self, shard: Shard, keep: list[Request], spec: JobSpec) -> None:
+        """Count one shard of `plan_shards` output, of whose completions `keep` run."""
         self.lines += len(shard.requests) + len(shard.rejected)
-        self.requests += len(keep)
-        self.skipped += len(shard.requests) - len(keep)
+        self.requests += len({r.line_no for r in keep})
+        self.completions += len(keep)
+        self.skipped += sum(r.n for r in shard.requests) - len(keep)
+        self.identical += sum(r.n > 1 and spec.greedy(r) for r in shard.requests)
         self.rejected += len(shard.rejected)
         self.shards += bool(keep)
         room = SHOWN_REJECTED - len(self.examples)
@@ -197,9 +213,11 @@ class Plan:
         return {
             "lines": self.lines,
             "requests": self.requests,
+            "completions": self.completions,
             "rejected": self.rejected,
             "skipped": self.skipped,
             "shards": self.shards,
+            "identical": self.identical,
             "rejected_examples": [str(r) for r in self.examples],
         }
 
@@ -214,11 +232,17 @@ def _scan(
 ) -> Iterator[tuple[Shard, list[Request]]]:
     count, max_context = context
     items = read_requests(
-        input_path, count_prompt_tokens=count, max_context=max_context, system=spec.system
+        input_path,
+        count_prompt_tokens=count,
+        max_context=max_context,
+        system=spec.system,
+        n=spec.n,
     )
+    seed = spec.params.get("seed")
     for shard in plan_shards(items, spec.shard_size):
-        keep = [r for r in shard.requests if r.sample_id not in skip_ids]
-        plan.add(shard, keep)
+        completions = (c for r in shard.requests for c in r.completions(seed))
+        keep = [c for c in completions if c.sample_id not in skip_ids]
+        plan.add(shard, keep, spec)
         if on_lines is not None:
             on_lines(len(shard.requests) + len(shard.rejected))
         yield shard, keep
@@ -252,9 +276,11 @@ def create_job(
 ) -> tuple[str, Plan]:
     """Write a job: its row, then manifest, rejected lines and shard rows, in batches.
 
-    Returns (job id, plan). `skip_ids` are sample ids left out of the manifest (already
-    done elsewhere). With `strict`, a bad line aborts (JobError) and the job is deleted:
-    callers validate first (`plan_job`) so that normally nothing is written at all.
+    Returns (job id, plan). Each completion of a request is a manifest row of its own
+    (workers.request.Request.completions). `skip_ids` are sample ids left out of the
+    manifest (already done elsewhere). With `strict`, a bad line aborts (JobError) and
+    the job is deleted: callers validate first (`plan_job`) so that normally nothing is
+    written at all.
     """
     input_path = Path(input_path).resolve()
     job_id = insert_job(
@@ -317,7 +343,7 @@ def create_job(
         update_job(
             engine,
             job_id,
-            n_expected=plan.requests,
+            n_expected=plan.completions,
             n_rejected=plan.rejected,
             n_shards=plan.shards,
         )

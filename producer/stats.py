@@ -19,6 +19,7 @@ GROUP_COLUMNS = ("category", "shard", "finish_reason")
 # The fields stats reads: everything but the (large) output text.
 STATS_COLUMNS = (
     *GROUP_COLUMNS,
+    "request_id",
     "status",
     "completion_tokens",
     "mean_accept_length",
@@ -54,9 +55,14 @@ class Accumulator:
     """Running sums over a group of rows; `summary()` turns them into the reported numbers.
 
     Throughput, tau and acceptance count ok samples only: a failed sample measured nothing.
+    Samples are completions; `requests` counts the input lines they answer, from rows in
+    line order (a line's completions are adjacent, in every group too), so no set of ids
+    grows with the job.
     """
 
     samples: int = 0
+    requests: int = 0
+    last_request: str | None = None
     ok: int = 0
     failed: int = 0
     completion_tokens: int = 0
@@ -72,6 +78,9 @@ class Accumulator:
     def add(self, row: Mapping[str, Any]) -> None:
         """Count one output row."""
         self.samples += 1
+        if row["request_id"] != self.last_request:
+            self.requests += 1
+            self.last_request = row["request_id"]
         if row["status"] != "ok":
             self.failed += 1
             return
@@ -95,6 +104,7 @@ class Accumulator:
         """The reported numbers (JSON-ready)."""
         return {
             "samples": self.samples,
+            "requests": self.requests,
             "ok": self.ok,
             "failed": self.failed,
             "completion_tokens": self.completion_tokens,
@@ -134,9 +144,10 @@ def accumulate(
 def compute_stats(rows: Iterable[Mapping[str, Any]], by: str | None = None) -> dict[str, Any]:
     """Job statistics from output rows: {'overall': {...}, 'groups': {value: {...}}}.
 
-    Each entry: samples, ok, failed, completion_tokens, tau_mean/p50/p90 (per-sample
-    mean accept length), tree_size_mean (mean of the samples' mean verified tree size),
-    tokens_per_s (sum of tokens / sum of total_ms),
+    `rows` come in line order (`iter_samples`). Each entry: samples (completions),
+    requests (the input lines they answer), ok, failed, completion_tokens,
+    tau_mean/p50/p90 (per-sample mean accept length), tree_size_mean (mean of the
+    samples' mean verified tree size), tokens_per_s (sum of tokens / sum of total_ms),
     tokens_per_s_mean (mean of per-sample rates), accept_hist (summed; index k = verify
     cycles that accepted k drafted tokens), depth_attempts/depth_accepts (summed) and
     depth_accept_rate (accepts / attempts per depth 1..D).
@@ -165,8 +176,13 @@ def format_stats(job: Mapping[str, Any], stats: Mapping[str, Any], by: str | Non
     lines = [
         f"job {job['id']}  state={job['state']}  model={job['model']}  "
         f"draft={job_draft(job) or '-'}  mode={job['mode']}",
-        f"expected {job['n_expected']}  stored {overall['samples']}  rejected lines "
-        f"{job['n_rejected']}",
+        f"expected {job['n_expected']}  stored {overall['samples']}"
+        + (
+            f" (completions of {overall['requests']} requests)"
+            if overall["requests"] != overall["samples"]
+            else ""
+        )
+        + f"  rejected lines {job['n_rejected']}",
         "",
     ]
     header = (

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from workers.request import Request
+from workers.request import MAX_COMPLETIONS, Request
 
 ROLES = ("system", "user", "assistant")
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
@@ -215,11 +215,6 @@ def _openai_messages(obj: dict[str, Any]) -> list[dict[str, str]]:
     body = obj["body"]
     if type(body) is not dict:
         raise InvalidLine(f'field "body": expected an object, got {_describe(body)}')
-    n = body.get("n")
-    if n is not None and not (type(n) is int and n == 1):
-        raise InvalidLine(
-            f'field "body.n": expected 1 (one completion per line), got {_describe(n)}'
-        )
     return _messages(body.get("messages", _MISSING), "body.messages")
 
 
@@ -306,6 +301,32 @@ def _set_override(
     where[name] = path
 
 
+def completions_count(value: object, what: str) -> int:
+    """`n`, the completions a request asks for: an integer from 1 to MAX_COMPLETIONS;
+    raises ValueError saying what was expected."""
+    if type(value) is not int or not 1 <= value <= MAX_COMPLETIONS:
+        raise ValueError(
+            f"{what}: expected an integer from 1 to {MAX_COMPLETIONS}, got {_describe(value)}"
+        )
+    return value
+
+
+def _completions(obj: dict[str, Any], body: object) -> int | None:
+    """The line's `n` (or its OpenAI body's), None when it sets neither."""
+    top = obj.get("n")
+    inner = body.get("n") if type(body) is dict else None
+    if top is not None and inner is not None:
+        raise InvalidLine('fields "n" and "body.n": expected at most one of them')
+    if top is None and inner is None:
+        return None
+    try:
+        return completions_count(
+            top if inner is None else inner, 'field "n"' if inner is None else 'field "body.n"'
+        )
+    except ValueError as exc:
+        raise InvalidLine(str(exc)) from None
+
+
 def _content_kind(obj: dict[str, Any]) -> str:
     """Which content field a line with several of them uses: the one that is not null.
     (A single content field that is null is refused by its own check: "got null".)"""
@@ -316,11 +337,12 @@ def _content_kind(obj: dict[str, Any]) -> str:
     return kinds[0] if kinds else next(k for k in _CONTENT_FIELDS if k in obj)
 
 
-def request_from_object(obj: object, line_no: int) -> Request:
+def request_from_object(obj: object, line_no: int, default_n: int = 1) -> Request:
     """Normalise one parsed record into a Request, or raise InvalidLine.
 
     Null in an optional field means the field is absent (Parquet columns cannot be
-    omitted per row). Unknown fields (e.g. "reference", "model") are ignored.
+    omitted per row). Unknown fields (e.g. "reference", "model") are ignored. A line
+    without `n` asks for `default_n` completions (the job's --n).
     """
     if type(obj) is not dict:
         raise InvalidLine(f"expected a JSON object, got {_describe(obj)}")
@@ -355,6 +377,7 @@ def request_from_object(obj: object, line_no: int) -> Request:
             if type(body) is not dict and obj.keys().isdisjoint(_OVERRIDE_KEYS)
             else _overrides(obj, body)
         )
+        n = _completions(obj, body) if "n" in obj or type(body) is dict else None
         category = obj.get("category")
         if category is not None:
             category = _text(category, "category", allow_empty=True)
@@ -377,5 +400,8 @@ def request_from_object(obj: object, line_no: int) -> Request:
         overrides=overrides,
         custom_id=custom_id,
         category=category,
+        n=default_n if n is None else n,
+        choice_index=0,
+        request_id=None,
     )
     return request

@@ -92,6 +92,8 @@ def _fake_sample(
     row = {
         "job_id": request_row["job_id"],
         "sample_id": request_row["sample_id"],
+        "request_id": request_row["payload"].get("request_id") or request_row["sample_id"],
+        "choice_index": request_row["payload"].get("choice_index", 0),
         "line_no": request_row["line_no"],
         "shard": request_row["shard"],
         "custom_id": request_row["payload"].get("custom_id"),
@@ -131,6 +133,8 @@ def _failed_sample(request_row: dict[str, Any], error: str = "boom") -> dict[str
     return {
         "job_id": request_row["job_id"],
         "sample_id": request_row["sample_id"],
+        "request_id": request_row["payload"].get("request_id") or request_row["sample_id"],
+        "choice_index": request_row["payload"].get("choice_index", 0),
         "line_no": request_row["line_no"],
         "shard": request_row["shard"],
         "custom_id": request_row["payload"].get("custom_id"),
@@ -161,10 +165,11 @@ def failed_sample() -> Callable[..., dict[str, Any]]:
 
 @pytest.fixture
 def make_job() -> Callable[..., tuple[str, list[dict[str, Any]]]]:
-    """Factory: a job with `n` manifest rows over shards of `shard_size` lines.
+    """Factory: a job of `n` lines over shards of `shard_size` lines, each line asking for
+    `completions` samples (ids q<i>, or q<i>#<k> with several).
 
-    Returns (job_id, request rows). Categories cycle through `categories`; every
-    third sample gets a custom_id so exports can be checked both ways.
+    Returns (job_id, manifest rows). Categories cycle through `categories`; every
+    third line gets a custom_id so exports can be checked both ways.
     """
 
     def make(
@@ -172,6 +177,7 @@ def make_job() -> Callable[..., tuple[str, list[dict[str, Any]]]]:
         n: int = 10,
         shard_size: int = 4,
         categories: tuple[str | None, ...] = ("writing", "math", None),
+        completions: int = 1,
     ) -> tuple[str, list[dict[str, Any]]]:
         job_id = insert_job(
             engine,
@@ -180,22 +186,25 @@ def make_job() -> Callable[..., tuple[str, list[dict[str, Any]]]]:
             draft="tiny-eagle",
             mode="eagle2",
             params={"max_new_tokens": 32, "depth": 5, "top_k": 8, "total_tokens": 60},
-            n_expected=n,
+            n_expected=n * completions,
             n_shards=(n + shard_size - 1) // shard_size,
         )
         requests = [
             {
                 "job_id": job_id,
-                "sample_id": f"q{i}",
+                "sample_id": f"q{i}" if completions == 1 else f"q{i}#{k}",
                 "line_no": i + 1,
                 "shard": i // shard_size,
                 "payload": {
                     "prompt": f"question {i}",
                     "category": categories[i % len(categories)],
                     "custom_id": f"req-{i}" if i % 3 == 0 else None,
+                    "request_id": f"q{i}",
+                    "choice_index": k,
                 },
             }
             for i in range(n)
+            for k in range(completions)
         ]
         insert_requests(engine, requests)
         return job_id, requests

@@ -401,7 +401,7 @@ def pending_requests(engine: Engine, job_id: str, shard: int) -> list[dict[str, 
     stmt = (
         _missing_requests_stmt(job_id)
         .where(requests_t.c.shard == shard)
-        .order_by(requests_t.c.line_no)
+        .order_by(requests_t.c.line_no, requests_t.c.sample_id)
     )
     with engine.connect() as conn:
         return [dict(r) for r in conn.execute(stmt).mappings()]
@@ -417,7 +417,7 @@ def iter_samples(
 ) -> Iterator[dict[str, Any]]:
     """Stream a job's (or one shard's) output rows in line order, `batch_size` at a time.
 
-    (Ordered by shard, then line: shards are line ranges, so this is input order.)
+    (Ordered by shard, line, completion: shards are line ranges, so this is input order.)
 
     Rows come from a server-side cursor on Postgres, so a large job is never held whole.
     `columns` limits the fields read (stats needs no output text).
@@ -426,7 +426,7 @@ def iter_samples(
     stmt = select(*cols).where(samples_t.c.job_id == job_id)
     if shard is not None:
         stmt = stmt.where(samples_t.c.shard == shard)
-    stmt = stmt.order_by(samples_t.c.shard, samples_t.c.line_no)
+    stmt = stmt.order_by(samples_t.c.shard, samples_t.c.line_no, samples_t.c.choice_index)
     with engine.connect() as conn:
         result = conn.execution_options(yield_per=batch_size).execute(stmt).mappings()
         for row in result:

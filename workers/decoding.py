@@ -188,6 +188,8 @@ class SampleDecoder:
         row: dict[str, Any] = {
             "job_id": job_id,
             "sample_id": request.sample_id,
+            "request_id": request.line_id,
+            "choice_index": request.choice_index,
             "line_no": request.line_no,
             "shard": shard,
             "custom_id": request.custom_id,

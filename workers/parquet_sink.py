@@ -33,6 +33,8 @@ SAMPLE_SCHEMA = pa.schema(
     [
         pa.field("job_id", pa.string(), nullable=False),
         pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("choice_index", pa.int32(), nullable=False),
         pa.field("line_no", pa.int32(), nullable=False),
         pa.field("shard", pa.int32(), nullable=False),
         pa.field("custom_id", pa.string()),

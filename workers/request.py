@@ -6,8 +6,12 @@ workers decode it; on the queue and in the database it is the JSON of `to_payloa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+# The most completions one request may ask for (OpenAI's own limit on `n`).
+MAX_COMPLETIONS = 128
 
 
 @dataclass(frozen=True)
@@ -18,6 +22,10 @@ class Request:
     further user turn, answered in order after the previous answer (multi-turn).
     `overrides` holds any of max_new_tokens, temperature, top_p, seed, stop that replace
     the job's parameters for this sample only.
+
+    A line asking for `n` completions is one Request as read (`n` set, `choice_index` 0)
+    and n as stored and decoded (`completions`): each its own sample, with `request_id`
+    the line's id.
     """
 
     sample_id: str
@@ -27,6 +35,37 @@ class Request:
     overrides: dict[str, Any] = field(default_factory=dict)
     custom_id: str | None = None
     category: str | None = None
+    n: int = 1
+    choice_index: int = 0
+    request_id: str | None = None  # the line's id; None: the same as sample_id
+
+    @property
+    def line_id(self) -> str:
+        """The id of the line this sample answers (shared by its n completions)."""
+        return self.request_id if self.request_id is not None else self.sample_id
+
+    def completions(self, job_seed: int | None = None) -> list[Request]:
+        """The line's n samples. With n > 1, completion k has the id `<id>#<k>` and the seed
+        `completion_seed(seed, k)` of the line's seed (else the job's), so a rerun
+        reproduces every one; with n == 1 the request is its own only completion."""
+        if self.n == 1:
+            return [self]
+        seed = self.overrides.get("seed", job_seed)
+        out = []
+        for k in range(self.n):
+            overrides = dict(self.overrides)
+            if seed is not None:
+                overrides["seed"] = completion_seed(seed, k)
+            out.append(
+                replace(
+                    self,
+                    sample_id=completion_id(self.sample_id, k),
+                    overrides=overrides,
+                    choice_index=k,
+                    request_id=self.sample_id,
+                )
+            )
+        return out
 
     def to_payload(self) -> dict[str, Any]:
         """A JSON-safe dict for the queue and the database (copies, never aliases)."""
@@ -38,6 +77,9 @@ class Request:
             "overrides": dict(self.overrides),
             "custom_id": self.custom_id,
             "category": self.category,
+            "n": self.n,
+            "choice_index": self.choice_index,
+            "request_id": self.request_id,
         }
 
     @classmethod
@@ -51,4 +93,21 @@ class Request:
             overrides=dict(payload.get("overrides") or {}),
             custom_id=payload.get("custom_id"),
             category=payload.get("category"),
+            n=payload.get("n", 1),
+            choice_index=payload.get("choice_index", 0),
+            request_id=payload.get("request_id"),
         )
+
+
+def completion_id(line_id: str, k: int) -> str:
+    """The sample id of completion k of a line that asks for several."""
+    return f"{line_id}#{k}"
+
+
+def completion_seed(seed: int, k: int) -> int:
+    """The seed of completion k of a request seeded `seed`: `seed` itself for the first (so
+    n=1 and the first of n agree), then a hash of both, in [0, 2**63) like every seed."""
+    if k == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{k}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1

@@ -124,7 +124,7 @@ class Shard(Base):
 
 
 class Sample(Base):
-    """One output row (DESIGN.md): the completion and its acceptance statistics.
+    """One output row (DESIGN.md): one completion and its acceptance statistics.
 
     Result columns are NULL when `status` is 'failed' and nothing was measured;
     a failed row always carries `error`, an ok row never does.
@@ -147,6 +147,10 @@ class Sample(Base):
 
     job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     sample_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    # The input line's id and which of its n completions this is (0 when n is 1, where
+    # sample_id == request_id; else sample_id is "<request_id>#<choice_index>").
+    request_id: Mapped[str] = mapped_column(String(255))
+    choice_index: Mapped[int] = mapped_column(Integer, server_default="0")
     line_no: Mapped[int] = mapped_column(Integer)
     shard: Mapped[int] = mapped_column(Integer)
     custom_id: Mapped[str | None] = mapped_column(String(255))

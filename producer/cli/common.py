@@ -45,6 +45,7 @@ def spec_from_options(options: dict[str, Any]) -> JobSpec:
             total_tokens=options["total_tokens"],
             stop=list(options["stop"]) or None,
             system=system,
+            n=options["n"],
         )
     except JobError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -20,7 +20,8 @@ from workers.db import make_engine
     type=click.Choice(FORMATS),
     default="jsonl",
     show_default=True,
-    help="jsonl: one output row per line; openai: OpenAI Batch API output; parquet: one file.",
+    help="jsonl: one output row (completion) per line; openai: OpenAI Batch API output, one "
+    "line per request with its n completions as choices; parquet: one file.",
 )
 @click.option(
     "--out",
@@ -30,7 +31,10 @@ from workers.db import make_engine
 )
 @url_option
 def export(job: str, fmt: str, out: Path, url: str | None) -> None:
-    """Write JOB's outputs to a file, one row per sample in input order."""
+    """Write JOB's outputs to a file, in input order.
+
+    Every row carries request_id (the input line's id) and choice_index (which of the
+    line's n completions it is; 0 when it asked for one)."""
     engine = make_engine(resolve_url(url))
     try:
         n = export_job(engine, job, fmt, out)
@@ -38,4 +42,5 @@ def export(job: str, fmt: str, out: Path, url: str | None) -> None:
         raise click.ClickException(f"no job {job}") from None
     finally:
         engine.dispose()
-    click.echo(f"wrote {n} rows ({fmt}) to {out}")
+    what = "requests" if fmt == "openai" else "rows"
+    click.echo(f"wrote {n} {what} ({fmt}) to {out}")

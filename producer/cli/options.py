@@ -18,6 +18,7 @@ from eagle2_core.config import AUTO, MODES, DecodeConfig
 from eagle2_core.registry import DEFAULT_MODEL
 from producer.inputs import DEFAULT_SHARD_SIZE
 from producer.validate import MAX_SEED
+from workers.request import MAX_COMPLETIONS
 from workers.settings import Settings, load_settings
 
 _DEFAULTS = DecodeConfig()
@@ -131,6 +132,16 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
             type=click.IntRange(0, MAX_SEED),
             default=None,
             help="Sampling seed for reproducible outputs (a line's seed overrides it).",
+        ),
+        click.option(
+            "--n",
+            "n",
+            type=click.IntRange(1, MAX_COMPLETIONS),
+            default=1,
+            show_default=True,
+            help="Completions per request (a line's n overrides it): each a sample of its "
+            "own, id <id>#<k> for k = 0..n-1, seeded from the seed and k. Use with "
+            "--temperature > 0; greedy completions are identical.",
         ),
         click.option(
             "--system",

@@ -12,7 +12,7 @@ import click
 from producer.cli.common import database, exit_for, spec_from_options, user_errors
 from producer.cli.options import job_options, settings_for
 from producer.control import enqueue_shards
-from producer.creation import build_job, format_plan, plan_input
+from producer.creation import build_job, describe_counts, format_plan, plan_input
 from producer.jobs import ok_sample_ids, shard_ids
 from producer.status import find_job, wait_for
 
@@ -70,7 +70,7 @@ def submit(
         )
         queue = enqueue_shards(job_id, spec.model, shard_ids(engine, job_id))
         click.echo(
-            f"job {job_id}: {plan.requests} samples in {plan.shards} shards queued on {queue}"
+            f"job {job_id}: {describe_counts(plan)} in {plan.shards} shards queued on {queue}"
             + (f", {plan.skipped} already done in {resume_from}" if plan.skipped else ""),
             err=True,
         )

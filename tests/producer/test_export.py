@@ -26,12 +26,13 @@ def _fill(engine, make_job, fake_sample, failed_sample, n=12):
     return job_id, rows
 
 
-def _export(db_url, job_id, fmt, out):
+def _export(db_url, job_id, fmt, out, count=12):
     result = CliRunner().invoke(
         main, ["export", job_id, "--format", fmt, "--out", str(out), "--url", db_url]
     )
     assert result.exit_code == 0, result.output
-    assert f"wrote 12 rows ({fmt})" in result.output
+    what = "requests" if fmt == "openai" else "rows"
+    assert f"wrote {count} {what} ({fmt})" in result.output
 
 
 def test_openai_format_round_trips_custom_id(
@@ -71,6 +72,46 @@ def test_openai_format_round_trips_custom_id(
     again = tmp_path / "again.jsonl"
     _export(db_url, job_id, "openai", again)
     assert again.read_bytes() == out.read_bytes()
+
+
+def test_openai_format_puts_n_completions_in_one_line_as_choices(
+    engine, db_url, make_job, fake_sample, failed_sample, tmp_path
+):
+    job_id, requests = make_job(engine, n=4, shard_size=3, completions=3)
+    rng = random.Random(1)
+    rows = [
+        failed_sample(r, "decode error") if r["sample_id"] == "q2#1" else fake_sample(r, rng)
+        for r in requests
+    ]
+    db.insert_samples(engine, rows[::-1])
+    out = tmp_path / "batch_output.jsonl"
+    _export(db_url, job_id, "openai", out, count=4)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == ["req-0", "q1", "q2", "req-3"]
+    assert len({line["id"] for line in lines}) == 4
+    for i, line in enumerate(lines):
+        mine = [r for r in rows if r["request_id"] == f"q{i}"]
+        if i == 2:
+            assert line["response"] is None
+            assert line["error"] == {
+                "code": "generation_failed",
+                "message": "completion 1 of 3: decode error",
+            }
+            continue
+        body = line["response"]["body"]
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert [c["message"]["content"] for c in body["choices"]] == [
+            r["output_text"] for r in mine
+        ]
+        assert [c["finish_reason"] for c in body["choices"]] == [r["finish_reason"] for r in mine]
+        assert body["usage"]["completion_tokens"] == sum(r["completion_tokens"] for r in mine)
+        assert body["usage"]["prompt_tokens"] == mine[0]["prompt_tokens"]
+    jsonl = tmp_path / "out.jsonl"
+    _export(db_url, job_id, "jsonl", jsonl)
+    exported = [json.loads(x) for x in jsonl.read_text().splitlines()]
+    assert [(x["request_id"], x["choice_index"]) for x in exported] == [
+        (f"q{i}", k) for i in range(4) for k in range(3)
+    ]
 
 
 def test_jsonl_has_one_full_row_per_sample(

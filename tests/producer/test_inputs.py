@@ -28,6 +28,7 @@ from producer.inputs import (
     shard_of,
 )
 from producer.validate import MAX_ID_CHARS, InvalidLine, request_from_object
+from workers.request import MAX_COMPLETIONS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -365,6 +366,27 @@ BAD_LINES = [
         {"id": "a", "question_id": 1, "turns": ["x"]},
         'fields "id" and "question_id": expected at most one sample id field',
     ),
+    ({"prompt": "x", "n": 0}, f'field "n": expected an integer from 1 to {MAX_COMPLETIONS}, got 0'),
+    (
+        {"prompt": "x", "n": -1},
+        f'field "n": expected an integer from 1 to {MAX_COMPLETIONS}, got -1',
+    ),
+    (
+        {"prompt": "x", "n": 1000},
+        f'field "n": expected an integer from 1 to {MAX_COMPLETIONS}, got 1000',
+    ),
+    (
+        {"prompt": "x", "n": 2.0},
+        f'field "n": expected an integer from 1 to {MAX_COMPLETIONS}, got 2.0',
+    ),
+    (
+        {"prompt": "x", "n": "3"},
+        f'field "n": expected an integer from 1 to {MAX_COMPLETIONS}, got "3"',
+    ),
+    (
+        {"prompt": "x", "n": True},
+        f'field "n": expected an integer from 1 to {MAX_COMPLETIONS}, got true',
+    ),
 ]
 
 NO_CUSTOM_ID = (
@@ -388,8 +410,16 @@ BAD_OPENAI_LINES = [
         'field "body.messages": expected a non-empty array of messages, got nothing',
     ),
     (
-        {**OPENAI, "body": {"messages": [user("x")], "n": 2}},
-        'field "body.n": expected 1 (one completion per line), got 2',
+        {**OPENAI, "body": {"messages": [user("x")], "n": 0}},
+        f'field "body.n": expected an integer from 1 to {MAX_COMPLETIONS}, got 0',
+    ),
+    (
+        {**OPENAI, "body": {"messages": [user("x")], "n": 1000}},
+        f'field "body.n": expected an integer from 1 to {MAX_COMPLETIONS}, got 1000',
+    ),
+    (
+        {**OPENAI, "n": 2, "body": {"messages": [user("x")], "n": 2}},
+        'fields "n" and "body.n": expected at most one of them',
     ),
     (
         {**OPENAI, "body": {"messages": [user("x")], "top_p": 2}},
@@ -938,3 +968,34 @@ def test_bad_stop_values_name_the_line_and_field(tmp_path: Path, value: Any, sho
         'line 2: field "stop": expected a non-empty string or a list of 1 to 4 non-empty '
         f"strings, got {shown}"
     )
+
+
+def test_n_per_line_in_the_body_or_from_the_job(tmp_path: Path) -> None:
+    lines = [
+        {"id": "a", "prompt": "p", "n": 3},
+        {**OPENAI, "body": {"messages": [user("p")], "n": 2}},
+        {"id": "b", "prompt": "p"},
+        {"id": "d", "prompt": "p", "n": None},  # null: not set
+    ]
+    assert [r.n for r in read(write(tmp_path, lines))] == [3, 2, 1, 1]
+    assert [r.n for r in read(write(tmp_path, lines), n=4)] == [3, 2, 4, 4]
+    parquet = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["x", "y"], "prompt": ["p", "q"], "n": [2, None]}), parquet)
+    assert [r.n for r in read(parquet, n=5)] == [2, 5]
+
+
+def test_a_completion_id_taken_by_another_line_is_a_duplicate(tmp_path: Path) -> None:
+    lines = [
+        {"id": "a", "prompt": "p", "n": 2},
+        {"id": "a#1", "prompt": "p"},  # the second completion of line 1
+        {"id": "a", "prompt": "p", "n": 2},  # the same line id again, even with n > 1
+        {"id": "b#0", "prompt": "p"},
+        {"id": "b", "prompt": "p", "n": 2},  # its first completion's id is line 4's
+    ]
+    items = read(write(tmp_path, lines))
+    assert [str(r) for r in items[1:3]] == [
+        'line 2: duplicate sample id "a#1": first used on line 1',
+        'line 3: duplicate sample id "a": first used on line 1',
+    ]
+    assert isinstance(items[3], Request)
+    assert str(items[4]) == 'line 5: duplicate sample id "b#0": first used on line 4'

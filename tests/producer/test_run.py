@@ -267,3 +267,57 @@ def test_stop_strings_per_line_and_per_job_cut_the_stored_answers(
     too_many = run_cli(str(prompts), "--out", str(out), *base, *five, cwd=tmp_path)
     assert too_many.returncode == 2
     assert "--stop: expected a non-empty string or a list of 1 to 4" in too_many.stderr
+
+
+def test_n_completions_per_line_and_per_job_are_seeded_and_reproducible(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, head = tiny
+    lines = [
+        {"id": "a", "prompt": "t5 t7", "n": 3},
+        {"id": "b", "prompt": "t9 t11"},  # the job's --n 2
+        {"id": "c", "prompt": "t13", "n": 1, "seed": 4},
+        {"id": "zero", "prompt": "t5", "n": 0},
+        {"id": "neg", "prompt": "t5", "n": -1},
+        {"id": "big", "prompt": "t5", "n": 1000},
+        {"id": "float", "prompt": "t5", "n": 2.5},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = [str(prompts), "--model", str(model), "--draft", str(head), "--max-new-tokens", "8"]
+    args += ["--temperature", "1", "--seed", "11", "--n", "2", "--shard-size", "2"]
+    first = run_cli(*args, "--out", str(tmp_path / "one"), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    for line_no, got in ((4, "0"), (5, "-1"), (6, "1000"), (7, "2.5")):
+        assert f'line {line_no}: field "n": expected an integer from 1 to 128, got {got}' in (
+            first.stderr
+        )
+    assert "expected 6  stored 6 (completions of 3 requests)  rejected lines 4" in first.stdout
+    job_id = first.stdout.split()[-1]
+    rows = read_job_parquet(tmp_path / "one", job_id).to_pylist()
+    ids = ["a#0", "a#1", "a#2", "b#0", "b#1", "c"]
+    assert sorted(r["sample_id"] for r in rows) == ids
+    by_id = {r["sample_id"]: r for r in rows}
+    assert [(by_id[i]["request_id"], by_id[i]["choice_index"]) for i in ids] == [
+        ("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("c", 0)
+    ]  # fmt: skip
+    seeds = [by_id[i]["seed"] for i in ids]
+    assert seeds[0] == seeds[3] == 11 and seeds[5] == 4  # the first keeps the seed
+    assert len(set(seeds[:3])) == 3 and seeds[1] == seeds[4]  # then derived from seed and k
+    assert len({by_id[i]["output_text"] for i in ids[:3]}) == 3  # three different samples
+    assert verify(tmp_path / "one", job_id)["manifest"] == 6
+
+    again = run_cli(*args, "--out", str(tmp_path / "two"), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    rerun = read_job_parquet(tmp_path / "two", again.stdout.split()[-1]).to_pylist()
+    assert {r["sample_id"]: r["output_text"] for r in rerun} == {
+        i: by_id[i]["output_text"] for i in ids
+    }  # every completion reproduced
+
+    greedy = run_cli(
+        str(prompts), "--model", str(model), "--mode", "vanilla", "--n", "2", "--dry-run",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert greedy.returncode == 0, greedy.stderr
+    assert "note: 2 requests with n > 1 decode greedily" in greedy.stderr
+    assert "samples   6 (completions: n per request)" in greedy.stdout

@@ -38,6 +38,7 @@ def _expected(rows):
     accepts = np.sum([r["depth_accepts"] for r in ok], axis=0)
     return {
         "samples": len(rows),
+        "requests": len({r["request_id"] for r in rows}),
         "ok": len(ok),
         "failed": len(rows) - len(ok),
         "completion_tokens": int(tokens.sum()),
@@ -74,6 +75,22 @@ def test_stats_match_an_independent_computation(engine, make_job, fake_sample, f
     assert stats["overall"]["depth_attempts"][0] == cycles
 
 
+def test_stats_count_completions_and_requests_apart(engine, make_job, fake_sample, failed_sample):
+    job_id, requests = make_job(engine, n=7, shard_size=3, completions=3)
+    rng = random.Random(3)
+    rows = [failed_sample(r) if i % 5 == 1 else fake_sample(r, rng) for i, r in enumerate(requests)]
+    db.insert_samples(engine, rows[::-1])
+    stats = compute_stats(db.iter_samples(engine, job_id), by="finish_reason")
+    _assert_close(stats["overall"], _expected(rows))
+    assert (stats["overall"]["samples"], stats["overall"]["requests"]) == (21, 7)
+    for name, group in stats["groups"].items():  # a request's completions may differ here
+        mine = [r for r in rows if r.get("finish_reason") == (None if name == "(none)" else name)]
+        assert group["samples"] == len(mine)
+        assert group["requests"] == len({r["request_id"] for r in mine})
+    job = db.get_job(engine, job_id)
+    assert "expected 21  stored 21 (completions of 7 requests)" in format_stats(job, stats, None)
+
+
 @pytest.mark.parametrize(
     ("draft", "mode", "shown"),
     [(None, "eagle2", "draft=shipped:smollm2-135m"), (None, "vanilla", "draft=-"),
@@ -91,6 +108,7 @@ def test_stats_header_names_the_head_the_rows_name(draft, mode, shown):
 def test_stats_of_only_failed_samples_has_no_rates():
     row = {
         "status": "failed",
+        "request_id": "a",
         "category": None,
         "completion_tokens": None,
         "mean_accept_length": None,
@@ -102,6 +120,7 @@ def test_stats_of_only_failed_samples_has_no_rates():
     }
     overall = compute_stats([row, row])["overall"]
     assert (overall["samples"], overall["ok"], overall["failed"]) == (2, 0, 2)
+    assert overall["requests"] == 1  # two completions of one request
     assert overall["tau_mean"] is None and overall["tokens_per_s"] is None
     assert overall["tree_size_mean"] is None
     assert overall["accept_hist"] == [] and overall["depth_accept_rate"] == []
