@@ -69,9 +69,11 @@ class CostModel:
     _curves: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     def verify(self, batch: int, n: int, context: int = CONTEXT) -> float:
-        """A verify forward of n nodes in each of `batch` rows over `context` slots."""
+        """A verify forward of n nodes in each of `batch` rows over `context` slots. Longer
+        contexts add their keys' cost; shorter ones cost what the table measured (a
+        slope measured under load, extrapolated down, could reach zero or below)."""
         base = _grid(self.batch_grid, self.tree_grid, self.verify_ms, batch, n)
-        return base + self.key_ms * batch * n * (context - CONTEXT)
+        return base + self.key_ms * batch * n * max(context - CONTEXT, 0)
 
     def draft(self, batch: int, width: int) -> float:
         """One draft step over `width` tokens in each of `batch` rows."""
@@ -84,8 +86,8 @@ class CostModel:
                 [0.0] + [self.verify(batch, n) for n in range(1, MAX_CURVE + 1)]
             )
         nodes = torch.arange(largest + 1)
-        attention = self.key_ms * batch * nodes * (context - CONTEXT)
-        return (self._curves[batch][: largest + 1] + attention).clamp(min=0.0)
+        attention = self.key_ms * batch * nodes * max(context - CONTEXT, 0)
+        return self._curves[batch][: largest + 1] + attention
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if not k.startswith("_")})

@@ -26,6 +26,7 @@ from eagle2_core.lean_head import LeanHead
 from eagle2_core.llama import forward_capturing
 from eagle2_core.models import Target
 from eagle2_core.plan import MAX_NODES, Calibration, Planner
+from eagle2_core.sequence import Prefill, Sequence, decoded_text, finish_reason, first_stop
 from eagle2_core.tree import TreeBatch, root_only, roots_only, select, stack
 from eagle2_core.verify import Accepted, Uniforms, accept, choose_token, draw, target_probs
 
@@ -42,23 +43,6 @@ class Speculator(Protocol):
     def drafter_for(self, config: DecodeConfig) -> Drafter | None: ...
 
     def costs(self, batch_size: int) -> CostModel: ...
-
-
-@dataclass
-class _Sequence:
-    """One sequence in flight: its settings, its drafter, and where decoding stands."""
-
-    key: Hashable
-    config: DecodeConfig
-    drafter: Drafter | None  # its own drafter (None: the batch's EAGLE-2, or root only)
-    uniforms: Uniforms  # one per output position, from the sequence's generator
-    prompt_len: int
-    stats: DecodeStats
-    output: list[int]
-    context_len: int  # tokens in the target's cache (the newest token is not yet there)
-    features: torch.Tensor | None  # for its own drafter: features of the tokens committed
-    next_tokens: torch.Tensor | None  # since its last draft, and the token after each
-    finish: str | None = None
 
 
 class BatchDecoder:
@@ -79,12 +63,13 @@ class BatchDecoder:
         self.target = engine.target
         self.batch_size = batch_size  # expected rows at once: sizes the cost table
         self.kv = self.target.kv()
-        self.rows: list[_Sequence] = []
+        self.rows: list[Sequence] = []
         self.finished: list[tuple[Hashable, Generation]] = []
         self.dynamic: DynamicDrafter | None = None
         self.fresh: Fresh | None = None  # the dynamic rows' tokens to catch up on
         self.shape: tuple[int, int] | None = None  # (top_k, depth) of the dynamic rows
         self.rest = self.backoff = 0  # rounds to skip drafting, and the last such pause
+        self.prefill: Prefill | None = None
 
     @property
     def active(self) -> int:
@@ -131,15 +116,12 @@ class BatchDecoder:
             drafter.reset()
         generator = generator if generator is not None else seeded_generator(config.seed)
         prompt = torch.tensor(prompt_ids, device=target.device)
-        keys, values = self.kv.add_row(len(prompt_ids))
-        positions = torch.arange(len(prompt_ids), device=target.device)[None]
-        hidden, features = self._forward(prompt[None], positions, keys, values, 0, None)
-        hidden, features = hidden[0], features[0]
+        last_hidden, features = self._prefill(key, prompt_ids, prompt)
         uniforms = Uniforms(generator)
         first = 0.0 if config.sampling.greedy else uniforms.take(1)[0]
-        root = choose_token(target.lm_head(hidden[-1]), config.sampling, first)
+        root = choose_token(target.lm_head(last_hidden), config.sampling, first)
         next_tokens = torch.cat([prompt[1:], torch.tensor([root], device=target.device)])
-        seq = _Sequence(
+        seq = Sequence(
             key=key,
             config=config,
             drafter=drafter,
@@ -151,13 +133,31 @@ class BatchDecoder:
             features=None if dynamic else features,
             next_tokens=None if dynamic else next_tokens,
         )
-        seq.finish = _finish(seq, target)
+        seq.finish = finish_reason(seq, target)
         if dynamic:
             self._join_dynamic(features, next_tokens)
         self.rows.append(seq)
         stats.total_ms += (time.perf_counter() - start) * 1000
         if seq.finish is not None:
             self._drop_finished()
+
+    def _prefill(
+        self, key: Hashable, prompt_ids: list[int], prompt: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new cache row holding the prompt; (final state at its last token, features).
+        The prompt of the sequence added just before is copied from that row (Prefill)."""
+        keys, values = self.kv.add_row(len(prompt_ids))
+        last = self.prefill
+        if last is not None and last.prompt_ids == prompt_ids:
+            source = next((i for i, s in enumerate(self.rows) if s.key == last.key), None)
+            if source is not None:
+                self.kv.copy_prefix(source, self.kv.rows - 1, len(prompt_ids))
+                self.prefill = Prefill(key, prompt_ids, last.last_hidden, last.features)
+                return last.last_hidden, last.features
+        positions = torch.arange(len(prompt_ids), device=prompt.device)[None]
+        hidden, features = self._forward(prompt[None], positions, keys, values, 0, None)
+        self.prefill = Prefill(key, prompt_ids, hidden[0, -1], features[0])
+        return hidden[0, -1], features[0]
 
     def _check_kind(self, dynamic: bool, config: DecodeConfig) -> None:
         if self.rows and (self.dynamic is not None) != dynamic:
@@ -310,7 +310,7 @@ class BatchDecoder:
             for token in step.emitted_host[row][:n]:  # token by token, as plain decoding stops
                 seq.output.append(token)
                 kept += 1
-                seq.finish = _finish(seq, self.target)
+                seq.finish = finish_reason(seq, self.target)
                 if seq.finish is not None:
                     break
             seq.stats.record(step.sizes[row], n - 1, n - 1 + step.offered[row], kept)
@@ -377,9 +377,9 @@ class BatchDecoder:
                 )
         self.rows = [self.rows[i] for i in order]
 
-    def _retire(self, seq: _Sequence) -> None:
-        text = _text(seq, self.target)
-        cut = _first_stop(text, seq.config.stop)
+    def _retire(self, seq: Sequence) -> None:
+        text = decoded_text(seq, self.target)
+        cut = first_stop(text, seq.config.stop)
         text = text[:cut] if cut is not None else text
         generation = Generation(seq.output, text, seq.finish, seq.prompt_len, seq.stats)
         self.finished.append((seq.key, generation))
@@ -399,25 +399,3 @@ class _Step:
 
 def _budget(config: DecodeConfig) -> int:
     return MAX_NODES if config.total_tokens == AUTO else config.total_tokens
-
-
-def _text(seq: _Sequence, target: Target) -> str:
-    return target.tokenizer.decode(seq.output, skip_special_tokens=True)
-
-
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the first stop string starts in text, or None."""
-    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
-    return min(found) if found else None
-
-
-def _finish(seq: _Sequence, target: Target) -> str | None:
-    """Why the sequence ends after its newest token, or None. A stop string is looked for
-    in the whole text (it may span tokens); only then, so rows without one pay nothing."""
-    if seq.output[-1] in target.stop_ids:
-        return "stop"
-    if seq.config.stop and _first_stop(_text(seq, target), seq.config.stop) is not None:
-        return "stop"
-    if len(seq.output) >= seq.config.max_new_tokens:
-        return "length"
-    return None

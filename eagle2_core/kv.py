@@ -90,6 +90,12 @@ class BatchKV:
         self.valid = torch.cat([grown, row])
         return self.layer_views(slice(self.rows - 1, self.rows))
 
+    def copy_prefix(self, source: int, row: int, length: int) -> None:
+        """Row `row`'s first `length` slots take row `source`'s entries there (a shared
+        prompt: a row's prompt always fills its first slots, which compaction keeps)."""
+        self.keys[:, row, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, row, :, :length] = self.values[:, source, :, :length]
+
     def remove_rows(self, rows: list[int]) -> list[int]:
         """Drop the listed rows; rows from the end move into their places. Returns the new
         order: new row i is old row order[i]."""

@@ -3,7 +3,10 @@ a builder of jobs whose rows carry internally consistent acceptance statistics."
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,6 +21,21 @@ from workers.db import insert_job, insert_requests, make_engine
 
 PG_ADMIN_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 PG_URL_TEMPLATE = "postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir() -> Iterator[None]:
+    """A cache of this test process's own (cost tables measured here, nothing else): a
+    table measured on a loaded machine by an earlier run must not steer this one."""
+    path = tempfile.mkdtemp(prefix="eagle2-test-cache-")
+    before = os.environ.get("EAGLE2_CACHE_DIR")
+    os.environ["EAGLE2_CACHE_DIR"] = path
+    yield
+    if before is None:
+        os.environ.pop("EAGLE2_CACHE_DIR", None)
+    else:
+        os.environ["EAGLE2_CACHE_DIR"] = before
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

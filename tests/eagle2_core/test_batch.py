@@ -121,3 +121,35 @@ def test_sampled_rows_keep_their_own_generators(tiny):
     got = dict(engine.generate_batch([("x", [4, 5, 6], config), *others], batch_size=5))
     assert got["x"].token_ids == alone.token_ids
     assert torch.tensor(alone.token_ids).unique().numel() > 3  # really sampled
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle1", "eagle2"])
+def test_completions_of_one_prompt_share_its_prefill(tiny, mode, monkeypatch):
+    """n sequences of one prompt added back to back (a request's completions): the target
+    runs over the prompt once, the rest copy its cache row, and each sequence decodes
+    exactly what it does alone, greedy or sampled with its own seed."""
+    _, engine = tiny
+    prompt = prompts(96, (50,))[0]
+    configs = [DecodeConfig(mode=mode, max_new_tokens=20, total_tokens=8)] + [
+        DecodeConfig(mode=mode, max_new_tokens=20, total_tokens=8, temperature=1.0, seed=s)
+        for s in (1, 2, 3)
+    ]
+    alone = [engine.generate(prompt, c).token_ids for c in configs]
+    forwards = []
+    original = BatchDecoder._forward
+
+    def counting(self, ids, *args):
+        forwards.append(ids.shape[1])
+        return original(self, ids, *args)
+
+    monkeypatch.setattr(BatchDecoder, "_forward", counting)
+    other = prompts(96, (30,), seed=9)[0]
+    items = [(k, prompt, c) for k, c in enumerate(configs)]
+    items.insert(2, ("other", other, configs[0]))  # a different prompt between: no sharing
+    items.append(("again", prompt, configs[0]))
+    got = dict(engine.generate_batch(items, batch_size=8))
+    assert [got[k].token_ids for k in range(4)] == alone
+    assert got["again"].token_ids == alone[0]
+    assert len({tuple(t) for t in alone}) == 4  # the sampled ones really differ
+    assert forwards.count(len(prompt)) == 2  # once for 0-1, again after "other" for 2-again
+    assert forwards.count(len(other)) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -55,6 +56,18 @@ def test_a_confident_draft_on_a_flat_device_verifies_a_long_chain():
     plan = planner(costs(per_node_ms=0.5))
     # the whole 12-node chain (nodes cost 0.5 ms past 8), none of its hopeless siblings
     assert plan.sizes(chain_pool(1, p=0.9)) == [13]
+
+
+def test_short_contexts_cost_what_the_table_measured():
+    """A steep per-key slope (measured on a loaded machine) never makes a short context's
+    forward free: the planner divided by that once."""
+    device = dataclasses.replace(costs(per_node_ms=0.5), key_ms=0.01)
+    short = device.verify_curve(2, 16, context=40)
+    assert torch.equal(short, device.verify_curve(2, 16, context=256))
+    assert bool((short[1:] >= 30.0).all())
+    assert device.verify(2, 4, context=1256) == device.verify(2, 4) + 0.01 * 2 * 4 * 1000
+    plan = Planner(device, Calibration(), 2, 40, [16, 16], top_k=10, depth=5)
+    assert plan.sizes(chain_pool(2, p=0.9)) == [13, 13]
 
 
 def test_a_useless_draft_verifies_the_root_alone():

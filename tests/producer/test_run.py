@@ -46,7 +46,11 @@ def write_prompts(path: Path, n: int, bad: bool = True) -> Path:
 
 def run_env() -> dict[str, str]:
     """The embedded default: no database or output settings from the environment."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE2_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("EAGLE2_") or k == "EAGLE2_CACHE_DIR"
+    }
     env["OMP_NUM_THREADS"] = "1"  # tiny models: 2 threads spin-wait on a busy machine
     return env
 

@@ -1,0 +1,66 @@
+"""One sequence in flight in a BatchDecoder: its state, the prompt it may share, and
+when and where its output ends (the stop rules every decoding mode shares)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from eagle2_core.config import DecodeConfig
+from eagle2_core.drafters import Drafter
+from eagle2_core.generation import DecodeStats
+from eagle2_core.models import Target
+from eagle2_core.verify import Uniforms
+
+
+@dataclass
+class Sequence:
+    """One sequence in flight: its settings, its drafter, and where decoding stands."""
+
+    key: Hashable
+    config: DecodeConfig
+    drafter: Drafter | None  # its own drafter (None: the batch's EAGLE-2, or root only)
+    uniforms: Uniforms  # one per output position, from the sequence's generator
+    prompt_len: int
+    stats: DecodeStats
+    output: list[int]
+    context_len: int  # tokens in the target's cache (the newest token is not yet there)
+    features: torch.Tensor | None  # for its own drafter: features of the tokens committed
+    next_tokens: torch.Tensor | None  # since its last draft, and the token after each
+    finish: str | None = None
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """The newest prompt prefilled, kept so that a sequence added next with the same prompt
+    (the n completions of one request) copies that row's cache instead of running the
+    target over the prompt again: the same numbers, a copy instead of a forward."""
+
+    key: Hashable  # the sequence whose cache row holds the prompt
+    prompt_ids: list[int]
+    last_hidden: torch.Tensor  # [H] the final state at the prompt's last token
+    features: torch.Tensor  # [T, F] what the draft head reads of the prompt
+
+
+def decoded_text(seq: Sequence, target: Target) -> str:
+    return target.tokenizer.decode(seq.output, skip_special_tokens=True)
+
+
+def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where the first stop string starts in text, or None."""
+    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def finish_reason(seq: Sequence, target: Target) -> str | None:
+    """Why the sequence ends after its newest token, or None. A stop string is looked for
+    in the whole text (it may span tokens); only then, so rows without one pay nothing."""
+    if seq.output[-1] in target.stop_ids:
+        return "stop"
+    if seq.config.stop and first_stop(decoded_text(seq, target), seq.config.stop) is not None:
+        return "stop"
+    if len(seq.output) >= seq.config.max_new_tokens:
+        return "length"
+    return None
