@@ -53,7 +53,7 @@ def report_identical(plan: Plan) -> None:
 
 
 def describe_counts(plan: Plan) -> str:
-    """'12 samples', or '4 requests x n = 12 completions' when lines ask for several."""
+    """'12 samples', or '4 requests, 12 completions' when lines ask for several."""
     if plan.completions == plan.requests:
         return f"{plan.completions} samples"
     return f"{plan.requests} requests, {plan.completions} completions"

@@ -57,6 +57,7 @@ def run(
       eagle2-batch run examples/prompts.jsonl --out out/
       eagle2-batch run prompts.jsonl --out out/ --mode vanilla --max-new-tokens 64
       eagle2-batch run prompts.jsonl --out out/ --draft heads/my-head --device cuda
+      eagle2-batch run prompts.jsonl --out out/ --n 4 --temperature 0.8 --seed 1
     """
     spec = spec_from_options(options)
     settings = settings_for(options["db_url"], options["out"])

@@ -45,6 +45,7 @@ def submit(
     Examples:
       eagle2-batch submit prompts.jsonl --max-new-tokens 256
       eagle2-batch submit prompts.jsonl --dry-run        # validate and plan only
+      eagle2-batch submit prompts.jsonl --n 4 --temperature 0.8   # best of 4
       JOB=$(eagle2-batch submit prompts.jsonl) && eagle2-batch status $JOB --watch
     """
     spec = spec_from_options(options)

@@ -230,10 +230,10 @@ class FaultCluster(Cluster):
         self.dead.append(launcher)
         return code
 
-    def submit(self, n: int, name: str = "prompts.jsonl", **spec: Any) -> str:
-        """Write n prompt lines and create the job as `submit` does, then enqueue it."""
+    def submit(self, lines: int, name: str = "prompts.jsonl", **spec: Any) -> str:
+        """Write prompt lines and create the job as `submit` does, then enqueue it."""
         path = self.root / name
-        path.write_text("".join(json.dumps(line) + "\n" for line in prompt_lines(n)))
+        path.write_text("".join(json.dumps(line) + "\n" for line in prompt_lines(lines)))
         return self.submit_file(path, **spec)
 
     def submit_file(self, path: Path, enqueue: bool = True, **spec: Any) -> str:
@@ -579,13 +579,14 @@ def task_runs(c: FaultCluster) -> list[dict[str, Any]]:
 
 def test_visibility_timeout_shorter_than_a_shard(make_cluster: Callable[..., FaultCluster]):
     """A 2 s visibility timeout and a shard of several seconds: Redis hands the running
-    shard to the idle worker too, so both decode it at once. Rows stay unique."""
+    shard to the idle worker too, so both decode it at once. Rows stay unique, each of
+    the three sampled completions per line stored once."""
     c = make_cluster(visibility_timeout=2)
     # One sample at a time and a shard of 3 x 12 samples: it must outlast the 2 s timeout,
     # the 0.5 s restore sweep and the other worker's start on it (12 took ~4 s: too close).
     c.launch_all("vt-a", "vt-b", extra=("--batch-size", "1"))
     n = 3 * SHARD_SIZE
-    job_id = c.submit(n, shard_size=n)
+    job_id = c.submit(SHARD_SIZE, shard_size=SHARD_SIZE, n=3, temperature=1.0, seed=3)
     t0 = time.monotonic()
     c.wait(finished(c.engine, job_id), 300, "job with redeliveries")
     # Redeliveries can go on briefly after the job completed: let them settle.
@@ -605,7 +606,7 @@ def test_visibility_timeout_shorter_than_a_shard(make_cluster: Callable[..., Fau
     record(
         "visibility timeout < shard (forced redelivery)",
         samples=n,
-        faults="visibility timeout 2 s, one 36-sample shard on two idle workers",
+        faults="visibility timeout 2 s, one shard of 12 lines x 3 completions on two idle workers",
         runs_of_the_shard=len(runs),
         decoded=decoded,
         decoded_twice=decoded - n,

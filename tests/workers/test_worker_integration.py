@@ -466,6 +466,70 @@ def test_shard_for_another_model_fails_visibly(cluster: Cluster):
     assert all(p.poll() is None for p in cluster.launchers)  # the workers carry on
 
 
+def cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real console script against the cluster's Postgres and Redis."""
+    return subprocess.run(
+        [EAGLE2_BATCH, *args], env=cluster.env, capture_output=True, text=True, timeout=600
+    )
+
+
+def submit_lines(cluster: Cluster, path: Path, lines: list[dict], *options: str) -> str:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = cli(
+        cluster, "submit", str(path), "--model", str(cluster.model), "--draft",
+        str(cluster.draft), "--max-new-tokens", "10", "--shard-size", "2", "--wait", *options,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr + cluster.tail()
+    return done.stdout.split()[-1]
+
+
+@pytest.mark.integration
+def test_n_completions_and_stop_strings_through_submit(cluster: Cluster, tmp_path: Path):
+    """`submit --n` with per-line n and stop on Postgres and two real workers (batches of
+    3, so a request's completions share their prefill): one row per completion, seeds
+    derived from the job's, reruns reproduce them, stops cut as plain decoding does."""
+    lines = [
+        {"id": "a", "prompt": "t5 t7 t9", "n": 3},
+        {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "t20 t21"}]}},  # the job's n
+        {"id": "c", "prompt": "t30 t31", "n": 1, "temperature": 0},
+        {"id": "bad", "prompt": "t5", "n": 0},
+    ]  # fmt: skip
+    sampled = ("--temperature", "1", "--seed", "5", "--n", "2")
+    first = submit_lines(cluster, tmp_path / "one.jsonl", lines, *sampled)
+    rows = {r["sample_id"]: r for r in db.iter_samples(cluster.engine, first)}
+    assert sorted(rows) == ["a#0", "a#1", "a#2", "b#0", "b#1", "c"]
+    assert {r["status"] for r in rows.values()} == {"ok"}
+    assert len({rows[f"a#{k}"]["seed"] for k in range(3)}) == 3
+    assert len({rows[f"a#{k}"]["output_text"] for k in range(3)}) == 3
+    report = json.loads(cli(cluster, "verify", first, "--json").stdout)
+    assert report["ok"] and report["manifest"] == 6, report
+    assert report["database_rows"] == report["parquet_rows"] == 6
+
+    out = tmp_path / "batch_output.jsonl"
+    assert cli(cluster, "export", first, "--format", "openai", "--out", str(out)).returncode == 0
+    exported = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["custom_id"], len(x["response"]["body"]["choices"])) for x in exported] == [
+        ("a", 3), ("b", 2), ("c", 1)
+    ]  # fmt: skip
+    stats = cli(cluster, "stats", first)
+    assert "expected 6  stored 6 (completions of 3 requests)" in stats.stdout
+
+    # Again, with a stop across the first token boundary of c's greedy answer.
+    text = rows["c"]["output_text"]
+    words = text.split()
+    assert len(words) > 1, text
+    stop = words[0][-1] + " " + words[1][:2]
+    lines[2]["stop"] = stop
+    again = submit_lines(cluster, tmp_path / "two.jsonl", lines, *sampled)
+    rerun = {r["sample_id"]: r for r in db.iter_samples(cluster.engine, again)}
+    assert {k: r["output_text"] for k, r in rerun.items() if k != "c"} == {
+        k: r["output_text"] for k, r in rows.items() if k != "c"
+    }  # every sampled completion reproduced
+    assert rerun["c"]["output_text"] == text[: text.index(stop)]
+    assert rerun["c"]["finish_reason"] == "stop"
+
+
 @pytest.mark.integration
 def test_warm_shutdown_finishes_running_shards_and_leaves_the_rest_queued(cluster: Cluster):
     requests = prompt_file(20)
