@@ -81,7 +81,7 @@ def per_line_costs(path: Path, model: str, n: int = 2000) -> tuple[float, float]
 
     from eagle2_core.registry import encode_chat, resolve_model
     from producer.inputs import Request, read_requests
-    from producer.jobs import prompt_token_counter
+    from producer.prompt_length import prompt_token_counter
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(model), local_files_only=True)
     requests = []

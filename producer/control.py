@@ -17,12 +17,11 @@ from workers.db import missing_shards, refresh_job_state, set_job_state
 
 def enqueue_shards(job_id: str, model: str, shards: list[int]) -> str:
     """Send the shards to the model's queue; returns the queue name."""
+    from workers import tasks
     from workers.celery_app import queue_for
-    from workers.tasks import enqueue_shard
 
     try:
-        for shard in shards:
-            enqueue_shard(job_id, shard, model)
+        tasks.enqueue_shards(job_id, shards, model)
     except Exception as exc:  # kombu raises its own and the socket's errors
         raise JobError(
             f"cannot reach the broker ({one_line(exc)}); job {job_id} is stored: "

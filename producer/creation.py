@@ -1,4 +1,4 @@
-"""Job creation as `submit` and `run` do it: producer/jobs.py's one pass over the input,
+"""Job creation as `submit` and `run` do it: producer/manifest.py's one pass over the input,
 with a progress bar and the first bad lines quoted on stderr, and every reason to stop
 (a bad line with strict, nothing to run, an unreadable file) raised as JobError."""
 
@@ -15,7 +15,8 @@ from sqlalchemy import Engine
 from tqdm import tqdm
 
 from producer.inputs import InputFileError
-from producer.jobs import JobError, JobSpec, Plan, context_check, create_job, plan_job
+from producer.jobs import JobError, JobSpec, context_check
+from producer.manifest import Plan, create_job, plan_job
 from workers.db import refresh_job_state
 
 

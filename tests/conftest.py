@@ -16,6 +16,7 @@ import pytest
 from psycopg import sql
 from sqlalchemy import Engine
 
+from eagle2_core.registry import cache_root
 from migrations import upgrade
 from workers.db import insert_job, insert_requests, make_engine
 
@@ -25,10 +26,16 @@ PG_URL_TEMPLATE = "postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_dir() -> Iterator[None]:
-    """A cache of this test process's own (cost tables measured here, nothing else): a
-    table measured on a loaded machine by an earlier run must not steer this one."""
+    """Cost tables of this test process's own: a table measured on a loaded machine by an
+    earlier run must not steer this one. The cache's other entries (dequantised GGUF
+    weights: slow to make, never changed) are linked in from the usual cache."""
     path = tempfile.mkdtemp(prefix="eagle2-test-cache-")
     before = os.environ.get("EAGLE2_CACHE_DIR")
+    shared = cache_root()
+    if shared.is_dir():
+        for entry in shared.iterdir():
+            if entry.name != "costs":
+                os.symlink(entry, os.path.join(path, entry.name))
     os.environ["EAGLE2_CACHE_DIR"] = path
     yield
     if before is None:

@@ -5,18 +5,19 @@ and bad lines ends up exactly as manifest + rejected lines + shards, nothing els
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, select
-from tokenizers import normalizers
 
 from eagle2_core.draft import new_draft_head, save_draft
-from producer import jobs
+from producer import jobs, manifest
 from producer.inputs import Request, shard_of
-from producer.jobs import JobError, create_job, make_spec, plan_job, prompt_token_counter
+from producer.jobs import JobError, make_spec
+from producer.manifest import create_job, plan_job
 from tests.eagle2_core.tiny import tiny_target
 from workers import db
 
@@ -166,7 +167,7 @@ def test_fuzz_file_becomes_exactly_manifest_rejected_and_shards(
     assert plan.as_dict()["lines"] == len(good) + len(bad)
     assert plan.rejected == len(bad) and plan.shards == len(want)
     assert plan.examples == sorted(plan.examples, key=lambda r: r.line_no)
-    assert len(plan.examples) == min(len(bad), jobs.SHOWN_REJECTED)
+    assert len(plan.examples) == min(len(bad), manifest.SHOWN_REJECTED)
 
 
 def test_plan_writes_nothing_and_counts_like_create(
@@ -228,12 +229,33 @@ def test_strict_create_deletes_the_job_on_a_bad_line(
     engine.dispose()
 
 
+def test_an_unreadable_input_fails_in_the_reading_process_and_leaves_no_job(
+    sqlite_url: str, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from producer.inputs import InputFileError
+
+    bad = tmp_path / "in.parquet"
+    bad.write_bytes(b"PAR1 not really")
+    engine = db.make_engine(sqlite_url)
+    context = jobs.context_check(str(tiny_model))
+    with pytest.raises(InputFileError, match="not a readable Parquet file"):
+        create_job(engine, bad, spec(tiny_model, 5), context)
+    good = tmp_path / "in.jsonl"
+    good.write_text(json.dumps({"prompt": "t5"}) + "\n")
+    monkeypatch.setattr(manifest, "_scan", lambda *args: os._exit(3))  # the reader dies
+    with pytest.raises(JobError, match="reading the input stopped: its process exited with code 3"):
+        create_job(engine, good, spec(tiny_model, 5), context)
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(db.jobs_t)).scalar() == 0
+    engine.dispose()
+
+
 def test_failure_part_way_deletes_the_job(
     sqlite_url: str, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"prompt": "t5"}) + "\n" for _ in range(50)))
-    monkeypatch.setattr(jobs, "_BATCH_ROWS", 10)
+    monkeypatch.setattr(manifest, "_BATCH_ROWS", 10)  # the reading process inherits it
     calls = 0
 
     def flaky_insert(engine: Engine, rows: Any) -> int:
@@ -243,7 +265,7 @@ def test_failure_part_way_deletes_the_job(
             raise KeyboardInterrupt  # Ctrl-C while the manifest is being written
         return db.insert_shards(engine, rows)
 
-    monkeypatch.setattr(jobs, "insert_shards", flaky_insert)
+    monkeypatch.setattr(manifest, "insert_shards", flaky_insert)
     engine = db.make_engine(sqlite_url)
     with pytest.raises(KeyboardInterrupt):
         create_job(engine, path, spec(tiny_model, 5), jobs.context_check(str(tiny_model)))
@@ -266,45 +288,6 @@ def test_spec_checks(tmp_path: Path) -> None:
     assert make_spec(model="m", draft=str(head), mode="eagle2", shard_size=1).draft == str(head)
     with pytest.raises(JobError, match="cannot load the tokenizer"):
         jobs.context_check(str(tmp_path / "missing-model"))
-
-
-# ------------------------------------------------------------- prompt-length shortcut
-
-
-def _request(messages: list[dict[str, str]]) -> Request:
-    return Request(sample_id="x", line_no=1, messages=messages)
-
-
-def test_prompt_counter_decides_exactly_like_the_tokenizer() -> None:
-    """The byte bound only ever replaces a count when both are under the context."""
-    from eagle2_core.registry import encode_chat
-
-    tokenizer = tiny_target().tokenizer
-    tokenizer.chat_template = CHAT_TEMPLATE
-    rng = random.Random(3)
-    for max_context in (8, 40, 128):
-        count = prompt_token_counter(tokenizer, max_context)
-        for _ in range(200):
-            words = [
-                rng.choice([f"t{rng.randrange(96)}", "unknown-word", "ü" * rng.randrange(1, 4)])
-                for _ in range(rng.randrange(1, 60))
-            ]
-            messages = [{"role": "user", "content": " ".join(words)}]
-            exact = len(encode_chat(tokenizer, messages))
-            got = count(_request(messages))
-            assert (got >= max_context) == (exact >= max_context)
-            assert got >= exact
-
-
-def test_prompt_counter_is_exact_for_tokenizers_with_a_normalizer() -> None:
-    from eagle2_core.registry import encode_chat
-
-    tokenizer = tiny_target().tokenizer
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.backend_tokenizer.normalizer = normalizers.NFKC()
-    count = prompt_token_counter(tokenizer, 10_000)
-    messages = [{"role": "user", "content": "t5 t6 t7"}]
-    assert count(_request(messages)) == len(encode_chat(tokenizer, messages)) == 6
 
 
 def test_a_job_system_prompt_opens_conversations_without_one(

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, select
 
 from migrations import upgrade
-from producer.jobs import ContextCheck, context_check, create_job, make_spec
+from producer.jobs import ContextCheck, context_check, make_spec
+from producer.manifest import create_job
 from tests.producer.test_inputs import LINE
 from tests.producer.test_jobs import CONTEXT, save_tiny_model
 from workers import db

@@ -34,7 +34,8 @@ from sqlalchemy import Engine, func, select
 from eagle2_core.draft import save_draft
 from migrations import upgrade
 from producer.cli import main
-from producer.jobs import context_check, create_job, make_spec
+from producer.jobs import context_check, make_spec
+from producer.manifest import create_job
 from tests.eagle2_core.tiny import tiny_head, tiny_target
 from tests.workers.test_decoding import save_tiny_model
 from tests.workers.test_worker_integration import (

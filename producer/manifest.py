@@ -1,0 +1,294 @@
+"""A job's input as its manifest: one streaming pass that validates every line (the
+dry run's `plan_job`) and, for `create_job`, writes the manifest (expected samples),
+the rejected lines and the shard rows, in batches (COPY on Postgres: workers/bulk.py).
+
+`create_job` parses in a second process while this one writes: reading and validating
+is Python on one core, the writes are the database's work on the other, and in one
+process they would take turns (a writer thread waits for the GIL after every chunk it
+sends; BENCHMARKS.md, "Submit"). The child is forked, so it shares the loaded tokenizer
+and `skip_ids`; it sends encoded batches over a pipe, which blocks it while the parent
+is a batch behind, so memory stays bounded.
+
+Nothing is enqueued or decoded here: the caller does that only after `create_job`
+returns, so a worker never sees a shard whose manifest is incomplete. A job whose
+creation fails part-way is deleted again, never left half-written. Memory stays flat
+in the number of lines: one shard and one write batch are held at a time, plus the
+ids the validator keeps to refuse duplicates (and `skip_ids`, when given).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+
+from producer.inputs import Rejected, Request, Shard, plan_shards, read_requests
+from producer.jobs import ContextCheck, JobError, JobSpec, delete_job, input_fingerprint
+from workers.bulk import Encoded, encode_rows, write_rows
+from workers.db import insert_job, insert_shards, update_job
+from workers.schema import rejected_lines_t, requests_t
+
+# How many rejected lines are quoted on stderr; all of them are stored.
+SHOWN_REJECTED = 10
+# Manifest rows per write: large enough to amortise a round trip, small enough that a
+# batch of long prompts stays a few MB.
+_BATCH_ROWS = 5000
+
+_REQUEST_COLUMNS = ("job_id", "sample_id", "line_no", "shard", "payload")
+_REJECTED_COLUMNS = ("job_id", "line_no", "sample_id", "reason")
+_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+
+EncodedBatch = tuple[Encoded, Encoded, list[dict[str, Any]]]
+
+
+@dataclass
+class Plan:
+    """What one pass over the input found (the dry-run report and the job's counts)."""
+
+    lines: int = 0  # non-blank lines
+    requests: int = 0  # good lines with a completion to run
+    completions: int = 0  # samples that will run: each request's n, less those skipped
+    rejected: int = 0
+    skipped: int = 0  # completions already done in the --resume-from job
+    shards: int = 0  # shards with at least one request to run
+    identical: int = 0  # requests of several completions decoded greedily: all the same
+    examples: list[Rejected] = field(default_factory=list)
+
+    def add(self, shard: Shard, keep: list[Request], spec: JobSpec) -> None:
+        """Count one shard of `plan_shards` output, of whose completions `keep` run."""
+        self.lines += len(shard.requests) + len(shard.rejected)
+        self.requests += len({r.line_no for r in keep})
+        self.completions += len(keep)
+        self.skipped += sum(r.n for r in shard.requests) - len(keep)
+        self.identical += sum(r.n > 1 and spec.greedy(r) for r in shard.requests)
+        self.rejected += len(shard.rejected)
+        self.shards += bool(keep)
+        room = SHOWN_REJECTED - len(self.examples)
+        if room > 0:
+            self.examples.extend(shard.rejected[:room])
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready counts and the quoted rejections."""
+        return {
+            "lines": self.lines,
+            "requests": self.requests,
+            "completions": self.completions,
+            "rejected": self.rejected,
+            "skipped": self.skipped,
+            "shards": self.shards,
+            "identical": self.identical,
+            "rejected_examples": [str(r) for r in self.examples],
+        }
+
+
+def _scan(
+    input_path: Path,
+    spec: JobSpec,
+    context: ContextCheck,
+    skip_ids: Collection[str],
+    plan: Plan,
+    on_lines: Callable[[int], None] | None,
+) -> Iterator[tuple[Shard, list[Request]]]:
+    count, max_context = context
+    items = read_requests(
+        input_path,
+        count_prompt_tokens=count,
+        max_context=max_context,
+        system=spec.system,
+        n=spec.n,
+    )
+    seed = spec.params.get("seed")
+    for shard in plan_shards(items, spec.shard_size):
+        completions = (c for r in shard.requests for c in r.completions(seed))
+        keep = [c for c in completions if c.sample_id not in skip_ids]
+        plan.add(shard, keep, spec)
+        if on_lines is not None:
+            on_lines(len(shard.requests) + len(shard.rejected))
+        yield shard, keep
+
+
+def plan_job(
+    input_path: Path,
+    spec: JobSpec,
+    context: ContextCheck,
+    *,
+    skip_ids: Collection[str] = frozenset(),
+    on_lines: Callable[[int], None] | None = None,
+) -> Plan:
+    """Validate the whole input and count what a job would hold; writes nothing."""
+    plan = Plan()
+    for _ in _scan(input_path, spec, context, skip_ids, plan, on_lines):
+        pass
+    return plan
+
+
+def create_job(
+    engine: Engine,
+    input_path: Path,
+    spec: JobSpec,
+    context: ContextCheck,
+    *,
+    skip_ids: Collection[str] = frozenset(),
+    strict: bool = False,
+    extra_params: dict[str, Any] | None = None,
+    on_lines: Callable[[int], None] | None = None,
+) -> tuple[str, Plan]:
+    """Write a job: its row, then manifest, rejected lines and shard rows, in batches.
+
+    Returns (job id, plan). Each completion of a request is a manifest row of its own
+    (workers.request.Request.completions). `skip_ids` are sample ids left out of the
+    manifest (already done elsewhere). With `strict`, a bad line aborts (JobError) and
+    the job is deleted: callers validate first (`plan_job`) so that normally nothing is
+    written at all.
+    """
+    input_path = Path(input_path).resolve()
+    job_id = insert_job(
+        engine,
+        input_path=str(input_path),
+        model=spec.model,
+        draft=spec.draft,
+        mode=spec.mode,
+        params=spec.stored_params(**input_fingerprint(input_path), **(extra_params or {})),
+    )
+    try:
+        scan = (input_path, spec, context, skip_ids, job_id, engine.dialect.name, strict)
+        plan = None
+        for message in _from_child(scan):
+            if isinstance(message, Plan):
+                plan = message
+            else:
+                lines, encoded = message
+                _write_batch(engine, encoded)
+                if on_lines is not None:
+                    on_lines(lines)
+        assert plan is not None
+        update_job(
+            engine,
+            job_id,
+            n_expected=plan.completions,
+            n_rejected=plan.rejected,
+            n_shards=plan.shards,
+        )
+    except BaseException:
+        delete_job(engine, job_id)
+        raise
+    return job_id, plan
+
+
+ScanArgs = tuple[Path, JobSpec, ContextCheck, Collection[str], str, str, bool]
+
+
+def _from_child(scan: ScanArgs) -> Iterator[tuple[int, EncodedBatch] | Plan]:
+    """What `_child` sends: (lines read, encoded batch) pairs, then the Plan; an error it
+    met is raised here. The child is stopped if this generator is left early."""
+    fork = multiprocessing.get_context("fork")
+    receive, send = fork.Pipe(duplex=False)
+    child = fork.Process(target=_child, args=(send, scan), name="job-reader", daemon=True)
+    child.start()
+    send.close()
+    try:
+        while True:
+            try:
+                kind, payload = receive.recv()
+            except EOFError:
+                child.join()
+                raise JobError(
+                    f"reading the input stopped: its process exited with code {child.exitcode}"
+                ) from None
+            if kind == "error":
+                raise payload
+            yield payload
+            if kind == "plan":
+                return
+    finally:
+        receive.close()
+        if child.is_alive():
+            child.terminate()
+        child.join()
+
+
+def _child(send: Connection, scan: ScanArgs) -> None:
+    """The second process: scan the input, send encoded batches and then the plan."""
+    input_path, spec, context, skip_ids, job_id, dialect, strict = scan
+    try:
+        plan = Plan()
+        lines = 0
+
+        def count(n: int) -> None:
+            nonlocal lines
+            lines += n
+
+        batch = _Batch(dialect, job_id)
+        for shard, keep in _scan(input_path, spec, context, skip_ids, plan, count):
+            if strict and shard.rejected:
+                raise JobError(f"--strict: {shard.rejected[0]} (the input changed?)")
+            batch.add(shard, keep)
+            if len(batch) >= _BATCH_ROWS:
+                send.send(("batch", (lines, batch.encoded())))
+                batch, lines = _Batch(dialect, job_id), 0
+        send.send(("batch", (lines, batch.encoded())))
+        send.send(("plan", plan))
+    except BaseException as exc:  # noqa: BLE001 - the parent raises it
+        send.send(("error", exc))
+    finally:
+        send.close()
+        os._exit(0)  # no inherited finalizer may touch the parent's connections
+
+
+class _Batch:
+    """Rows of consecutive shards, written together: the manifest and rejected lines
+    encoded for the database (COPY text on Postgres, workers/bulk.py) where they are read,
+    so the writing process only sends them."""
+
+    def __init__(self, dialect: str, job_id: str) -> None:
+        self.dialect, self.job_id = dialect, job_id
+        self.requests: list[tuple[Any, ...]] = []
+        self.rejected: list[tuple[Any, ...]] = []
+        self.shards: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.requests) + len(self.rejected)
+
+    def add(self, shard: Shard, keep: list[Request]) -> None:
+        """One shard: the completions that run (`keep`), its rejected lines, its row."""
+        job_id = self.job_id
+        self.requests.extend(
+            (job_id, r.sample_id, r.line_no, shard.index, _json(r.to_payload())) for r in keep
+        )
+        self.rejected.extend((job_id, r.line_no, r.sample_id, r.reason) for r in shard.rejected)
+        if keep:
+            self.shards.append(
+                {
+                    "job_id": job_id,
+                    "shard": shard.index,
+                    "line_start": shard.first_line,
+                    "line_end": _last_line(shard),
+                    "n_samples": len(keep),
+                }
+            )
+
+    def encoded(self) -> EncodedBatch:
+        return (
+            encode_rows(self.dialect, self.requests),
+            encode_rows(self.dialect, self.rejected),
+            self.shards,
+        )
+
+
+def _write_batch(engine: Engine, encoded: EncodedBatch) -> None:
+    requests, rejected, shards = encoded
+    write_rows(engine, requests_t, _REQUEST_COLUMNS, requests)
+    write_rows(engine, rejected_lines_t, _REJECTED_COLUMNS, rejected)
+    insert_shards(engine, shards)
+
+
+def _last_line(shard: Shard) -> int:
+    """The shard's last non-blank line (its nominal range may run past the file's end)."""
+    return max(items[-1].line_no for items in (shard.requests, shard.rejected) if items)

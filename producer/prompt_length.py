@@ -1,0 +1,100 @@
+"""The prompt-length check of job creation: exact in its decisions, paid only where it
+matters.
+
+Every request must leave room to generate: len(encode_chat(tokenizer, messages)) below
+the model's context. Tokenizing costs ~300 us a request and rendering the chat template
+~70 us; millions of lines cannot pay either. Two bounds decide almost every request
+without them, and each replaces the count only when it is below the context, so a
+request passes exactly when the count would let it pass:
+
+1. Tokens <= bytes. A byte-level tokenizer without a normalizer (nothing expands the
+   text) spends at least one UTF-8 byte of the rendered prompt per token, plus the
+   specials its post-processor adds.
+2. Rendered bytes = the template's bytes for that sequence of roles + the contents'
+   bytes, for a template that copies each content once, verbatim. That is checked per
+   role sequence on probe contents (quotes, backslashes, newlines, non-ASCII, markup:
+   what an escaping filter would expand); a role sequence whose probes disagree is
+   rendered every time.
+
+Anything near the limit is tokenized exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from eagle2_core.registry import encode_chat
+from workers.request import Request
+
+# Probe contents: plain, and with every character an escaping template filter changes.
+_PROBES = ("probe", 'q"u\\o\nte <b>&amp; ü ✓ \t {x}')
+# Role sequences remembered at most (a file has a handful; a hostile one cannot grow it).
+_MAX_SIGNATURES = 4096
+
+Messages = list[dict[str, str]]
+
+
+def prompt_token_counter(tokenizer: Any, max_context: int) -> Callable[[Request], int]:
+    """count(request): len(encode_chat(tokenizer, messages)), or a bound on it that is
+    below `max_context` (so the length check decides as the count would)."""
+
+    def exact(request: Request) -> int:
+        return len(encode_chat(tokenizer, request.messages))
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None or not tokenizer.chat_template:
+        return exact
+    # Post-processor specials (BOS/EOS) and a prefix space some pre-tokenizers insert.
+    slack = len(backend.encode("").ids) + 1
+    template = TemplateBytes(tokenizer)
+
+    def count(request: Request) -> int:
+        bound = template.rendered_bytes(request.messages) + slack
+        return bound if bound < max_context else exact(request)
+
+    return count
+
+
+class TemplateBytes:
+    """The UTF-8 length of a conversation rendered by the chat template, from the lengths
+    of its contents and the template's fixed bytes for its role sequence."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._render = tokenizer.apply_chat_template
+        self._fixed: dict[tuple[str, ...], int | None] = {}
+
+    def _bytes(self, messages: Messages) -> int:
+        text = self._render(messages, add_generation_prompt=True, tokenize=False)
+        return len(text.encode("utf-8"))
+
+    def fixed_bytes(self, roles: tuple[str, ...]) -> int | None:
+        """The template's own bytes around contents of these roles; None when the probes
+        show it does not copy contents verbatim (or it fails on them)."""
+        if roles in self._fixed:
+            return self._fixed[roles]
+        overheads = set()
+        for probe in _PROBES:
+            messages = [{"role": role, "content": probe} for role in roles]
+            try:
+                rendered = self._bytes(messages)
+            except Exception:  # noqa: BLE001 - a template may refuse a role order
+                overheads.add(None)
+                break
+            overheads.add(rendered - len(roles) * len(probe.encode("utf-8")))
+        fixed = overheads.pop() if len(overheads) == 1 else None
+        if len(self._fixed) < _MAX_SIGNATURES:
+            self._fixed[roles] = fixed
+        return fixed
+
+    def rendered_bytes(self, messages: Messages) -> int:
+        """Bytes of the rendered conversation: from the lengths where the template's
+        probes allow it, else by rendering."""
+        fixed = self.fixed_bytes(tuple(m["role"] for m in messages))
+        if fixed is None:
+            return self._bytes(messages)
+        total = fixed
+        for message in messages:
+            content = message["content"]
+            total += len(content) if content.isascii() else len(content.encode("utf-8"))
+        return total
