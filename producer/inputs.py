@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from producer.seen_ids import SeenIds
 from producer.validate import InvalidLine, Rejected, Request, quote, request_from_object
 from workers.request import completion_id
 
@@ -97,12 +98,15 @@ def _checked(
     records: Iterator[Record | Rejected], validator: Validator
 ) -> Iterator[Request | Rejected]:
     check = validator.check
-    for record in records:
-        if isinstance(record, Rejected):
-            yield record
-        else:
-            line_no, obj = record
-            yield check(obj, line_no)
+    try:
+        for record in records:
+            if isinstance(record, Rejected):
+                yield record
+            else:
+                line_no, obj = record
+                yield check(obj, line_no)
+    finally:
+        validator.close()
 
 
 def _jsonl_records(path: Path, max_line_bytes: int) -> Iterator[Record | Rejected]:
@@ -261,8 +265,8 @@ def json_objects(path: Path, error: Callable[[str], Exception]) -> Iterator[tupl
 
 class Validator:
     """Checks records of one file in order. Stateful: it remembers the id of every
-    accepted request and of its completions (the only memory that grows with the file)
-    to refuse duplicates, so no two samples of a job share an id.
+    accepted request and of its completions (producer/seen_ids.py: on disk for a large
+    file) to refuse duplicates, so no two samples of a job share an id.
 
     `count_prompt_tokens` and `max_context` come from the caller, which owns the
     tokenizer: a request whose prompt leaves no room to generate is refused. `system`
@@ -285,7 +289,7 @@ class Validator:
         self._context_check: tuple[Callable[[Request], int], int] | None = None
         if count_prompt_tokens is not None and max_context is not None:
             self._context_check = (count_prompt_tokens, max_context)
-        self._first_line: dict[str, int] = {}
+        self._seen = SeenIds()
         self._system = {"role": "system", "content": system} if system is not None else None
         self._n = n
 
@@ -302,7 +306,7 @@ class Validator:
         if request.n > 1:
             ids += [completion_id(sample_id, k) for k in range(request.n)]
         for taken in ids:
-            first = self._first_line.get(taken)
+            first = self._seen.first_line(taken)
             if first is not None:
                 return Rejected(
                     line_no,
@@ -319,6 +323,9 @@ class Validator:
                     f"prompt is {n_tokens} tokens; the model's context is {max_context} "
                     "tokens, which leaves no room to generate",
                 )
-        for taken in ids:
-            self._first_line[taken] = line_no
+        self._seen.add(ids, line_no)
         return request
+
+    def close(self) -> None:
+        """Drop the ids seen (and their file on disk, for a large input)."""
+        self._seen.close()
