@@ -12,8 +12,9 @@ is a batch behind, so memory stays bounded.
 Nothing is enqueued or decoded here: the caller does that only after `create_job`
 returns, so a worker never sees a shard whose manifest is incomplete. A job whose
 creation fails part-way is deleted again, never left half-written. Memory stays flat
-in the number of lines: one shard and one write batch are held at a time, plus the
-ids the validator keeps to refuse duplicates (and `skip_ids`, when given).
+in the number of lines: one shard and one write batch are held at a time, and the ids
+the validator keeps to refuse duplicates spill to disk (producer/seen_ids.py); only
+`skip_ids` (a --resume-from job's done ids) is held whole.
 """
 
 from __future__ import annotations

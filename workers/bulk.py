@@ -38,7 +38,7 @@ def encode_rows(dialect: str, rows: Iterable[Row]) -> Encoded:
 
 def write_rows(engine: Engine, table: Table, columns: Sequence[str], encoded: Encoded) -> None:
     """Write encoded rows into `table` in one transaction. A key already stored is an
-    error (IntegrityError): callers write only rows that are new."""
+    error (an IntegrityError, psycopg's own for COPY): callers write only new rows."""
     unknown = set(columns) - set(table.columns.keys())
     if unknown:
         raise ValueError(f"{table.name}: unknown columns {sorted(unknown)}")

@@ -33,7 +33,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
-from sqlalchemy.orm import sessionmaker
 
 from workers.schema import (
     JOB_STATES,
@@ -80,11 +79,6 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return create_engine(parsed, pool_pre_ping=True, **kwargs)
-
-
-def session_factory(engine: Engine) -> sessionmaker:
-    """ORM sessions on `engine`; objects stay readable after commit."""
-    return sessionmaker(engine, expire_on_commit=False)
 
 
 # --------------------------------------------------------------------------- inserts

@@ -34,8 +34,12 @@ def test_a_large_file_reports_duplicates_like_a_small_one(tmp_path: Path, monkey
     small = [str(r) for r in read_requests(path) if isinstance(r, Rejected)]
     monkeypatch.setattr(inputs, "SeenIds", lambda: SeenIds(memory_ids=10))
     spilled = [str(r) for r in read_requests(path) if isinstance(r, Rejected)]
-    assert spilled == small == [
-        'line 51: duplicate sample id "s3": first used on line 4',
-        'line 52: duplicate sample id "s40": first used on line 41',
-        'line 54: duplicate sample id "s49": first used on line 50',
-    ]
+    assert (
+        spilled
+        == small
+        == [
+            'line 51: duplicate sample id "s3": first used on line 4',
+            'line 52: duplicate sample id "s40": first used on line 41',
+            'line 54: duplicate sample id "s49": first used on line 50',
+        ]
+    )

@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 
 import migrations
 from producer.cli import main
-from workers import db, schema
+from workers import db
 from workers.settings import load_settings
 
 TABLES = {"jobs", "requests", "shards", "samples", "rejected_lines"}
@@ -355,14 +355,3 @@ def test_shard_lifecycle(engine, make_job):
     row = shard_row()
     assert row["state"] == "done" and row["parquet_path"] == "/o/shard=0.parquet"
     assert row["finished_at"] is not None
-
-
-def test_session_factory_gives_orm_access(engine, make_job):
-    job_id, _ = make_job(engine, n=3)
-    with db.session_factory(engine)() as session:
-        job = session.get(schema.Job, job_id)
-        assert job.state == "queued" and job.params["depth"] == 5
-        job.state = "running"
-        session.commit()
-    assert job.state == "running"  # still readable after commit
-    assert db.get_job(engine, job_id)["state"] == "running"
