@@ -121,7 +121,7 @@ def main() -> None:
                   "after submit)")  # fmt: skip
             print(f"worker time {worker_s:.0f} s: decoding {decode_s / worker_s:.0%}, rest of the "
                   f"shards (database, Parquet) {(float(busy) - decode_s) / worker_s:.0%}, between "
-                  f"shards (queue) {(worker_s - float(busy)) / worker_s:.0%}")  # fmt: skip
+                  f"shards (queue) {max(worker_s - float(busy), 0.0) / worker_s:.0%}")  # fmt: skip
             print(", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
             print(f"verify: ok {report['ok']}, manifest {report['manifest']:,}, database rows "
                   f"{report['database_rows']:,}, Parquet rows {report['parquet_rows']:,}, "
