@@ -1,7 +1,7 @@
 """One sample to generate, as it travels from the producer through the queue to a worker.
 
 It lives below both: the producer builds it from an input line (producer/validate.py),
-workers decode it; on the queue and in the database it is the JSON of `to_payload`.
+workers decode it; in the manifest (the database) it is the JSON of `to_payload`.
 """
 
 from __future__ import annotations
@@ -68,19 +68,25 @@ class Request:
         return out
 
     def to_payload(self) -> dict[str, Any]:
-        """A JSON-safe dict for the queue and the database (copies, never aliases)."""
-        return {
+        """A JSON-safe dict for the database (copies, never aliases). Fields at their
+        defaults are left out: a manifest holds millions of these, and `from_payload`
+        restores them."""
+        payload: dict[str, Any] = {
             "sample_id": self.sample_id,
             "line_no": self.line_no,
             "messages": [dict(m) for m in self.messages],
-            "followups": list(self.followups),
-            "overrides": dict(self.overrides),
-            "custom_id": self.custom_id,
-            "category": self.category,
-            "n": self.n,
-            "choice_index": self.choice_index,
-            "request_id": self.request_id,
         }
+        if self.followups:
+            payload["followups"] = list(self.followups)
+        if self.overrides:
+            payload["overrides"] = dict(self.overrides)
+        for name in ("custom_id", "category", "request_id"):
+            if getattr(self, name) is not None:
+                payload[name] = getattr(self, name)
+        if self.n != 1:
+            payload["n"] = self.n
+            payload["choice_index"] = self.choice_index
+        return payload
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> Request:
