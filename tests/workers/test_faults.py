@@ -581,13 +581,16 @@ def task_runs(c: FaultCluster) -> list[dict[str, Any]]:
 def test_visibility_timeout_shorter_than_a_shard(make_cluster: Callable[..., FaultCluster]):
     """A 2 s visibility timeout and a shard of several seconds: Redis hands the running
     shard to the idle worker too, so both decode it at once. Rows stay unique, each of
-    the three sampled completions per line stored once."""
+    a line's completions stored once."""
     c = make_cluster(visibility_timeout=2)
-    # One sample at a time and a shard of 3 x 12 samples: it must outlast the 2 s timeout,
-    # the 0.5 s restore sweep and the other worker's start on it (12 took ~4 s: too close).
+    # One sample at a time and a shard of 16 lines x 3 completions: it must outlast the
+    # 2 s timeout, the 0.5 s restore sweep and the other worker's start on it (12 samples
+    # took ~4 s: too close; 12 x 3 sampled ones, which stop early, were too close too).
+    # Greedy: every completion runs its full 40 tokens.
     c.launch_all("vt-a", "vt-b", extra=("--batch-size", "1"))
-    n = 3 * SHARD_SIZE
-    job_id = c.submit(SHARD_SIZE, shard_size=SHARD_SIZE, n=3, temperature=1.0, seed=3)
+    lines = 16
+    n = 3 * lines
+    job_id = c.submit(lines, shard_size=lines, n=3)
     t0 = time.monotonic()
     c.wait(finished(c.engine, job_id), 300, "job with redeliveries")
     # Redeliveries can go on briefly after the job completed: let them settle.
@@ -607,7 +610,7 @@ def test_visibility_timeout_shorter_than_a_shard(make_cluster: Callable[..., Fau
     record(
         "visibility timeout < shard (forced redelivery)",
         samples=n,
-        faults="visibility timeout 2 s, one shard of 12 lines x 3 completions on two idle workers",
+        faults="visibility timeout 2 s, one shard of 16 lines x 3 completions on two idle workers",
         runs_of_the_shard=len(runs),
         decoded=decoded,
         decoded_twice=decoded - n,
