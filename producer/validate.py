@@ -37,14 +37,8 @@ _TOP_OVERRIDES = (
     ("seed", "seed"),
     ("stop", "stop"),
 )
-_BODY_OVERRIDES = (
-    ("max_completion_tokens", "max_new_tokens"),
-    ("max_tokens", "max_new_tokens"),
-    ("temperature", "temperature"),
-    ("top_p", "top_p"),
-    ("seed", "seed"),
-    ("stop", "stop"),
-)
+# An OpenAI body spells max_new_tokens max_completion_tokens (or max_tokens), not as ours.
+_BODY_OVERRIDES = (("max_completion_tokens", "max_new_tokens"), *_TOP_OVERRIDES[1:])
 _OVERRIDE_KEYS = frozenset(key for key, _ in _TOP_OVERRIDES)
 _MISSING: Any = object()
 _new_object = object.__new__

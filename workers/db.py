@@ -7,23 +7,14 @@ on Postgres (cluster) and SQLite (embedded, one laptop); the tables are workers/
 
 from __future__ import annotations
 
-import functools
-import json
-import math
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
-    Double,
     Engine,
     Select,
-    Table,
-    bindparam,
-    cast,
-    column,
     create_engine,
     event,
     func,
@@ -31,9 +22,9 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 
+from workers.bulk import insert_ignore
 from workers.schema import (
     JOB_STATES,
     SAMPLE_FIELDS,
@@ -46,10 +37,6 @@ from workers.schema import (
     shards_t,
     utcnow,
 )
-
-# Rows per INSERT statement: bounds statement size and memory for large batches.
-_CHUNK_ROWS = 1000
-
 
 # --------------------------------------------------------------------------- engine
 
@@ -84,102 +71,28 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 # --------------------------------------------------------------------------- inserts
 
 
-def _normalize(table: Table, rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    # Every row gets every column (absent ones NULL, created_at now); unknown keys are
-    # typos, and non-finite floats are rejected on both backends alike.
-    columns = table.columns.keys()
-    known = set(columns)
-    floats = [c.name for c in table.columns if isinstance(c.type, Double)]
-    out = []
-    for row in rows:
-        unknown = row.keys() - known
-        if unknown:
-            raise ValueError(f"{table.name}: unknown fields {sorted(unknown)}")
-        full = {c: row.get(c) for c in columns}
-        if "created_at" in full and full["created_at"] is None:
-            full["created_at"] = utcnow()
-        for name in floats:
-            value = full[name]
-            if value is not None and not math.isfinite(value):
-                key = {k: full[k] for k in table.primary_key.columns.keys()}
-                raise ValueError(f"{table.name}.{name} is {value} in row {key}")
-        out.append(full)
-    return out
-
-
-def _json_default(value: Any) -> str:
-    if isinstance(value, datetime):
-        # A naive timestamp is UTC here (SQLite returns them naive), never server-local.
-        return (value if value.tzinfo else value.replace(tzinfo=UTC)).isoformat()
-    raise TypeError(f"cannot store {type(value).__name__} value {value!r}")
-
-
-@functools.cache
-def _pg_insert_ignore_stmt(table: Table) -> Any:
-    # INSERT INTO t (cols) SELECT cols FROM jsonb_to_recordset(:rows) AS r(col type, ...)
-    # ON CONFLICT DO NOTHING: one statement and one bound parameter per chunk. (A
-    # multi-row VALUES with ~30k placeholders spends seconds in client-side parsing.)
-    names = table.columns.keys()
-    records = (
-        func.jsonb_to_recordset(cast(bindparam("rows"), postgresql.JSONB))
-        .table_valued(*(column(c.name, c.type) for c in table.columns))
-        .render_derived(name="r", with_types=True)
-    )
-    return (
-        postgresql.insert(table)
-        .from_select(names, select(*(records.c[n] for n in names)))
-        .on_conflict_do_nothing()
-    )
-
-
-def _insert_ignore(engine: Engine, table: Table, rows: Iterable[Mapping[str, Any]]) -> int:
-    """Insert rows, skipping any whose primary key is already stored; one transaction.
-
-    Postgres: one `INSERT ... SELECT FROM jsonb_to_recordset(:rows) ON CONFLICT DO
-    NOTHING` per chunk. SQLite (in-process, no round trips): one prepared
-    `INSERT ... ON CONFLICT DO NOTHING` executed over the chunk. The summed rowcount
-    is the number of rows actually inserted.
-    """
-    full = _normalize(table, rows)
-    dialect = engine.dialect.name
-    if dialect not in ("postgresql", "sqlite"):
-        raise NotImplementedError(f"unsupported database backend: {dialect}")
-    inserted = 0
-    with engine.begin() as conn:
-        conn = conn.execution_options(preserve_rowcount=True)
-        for start in range(0, len(full), _CHUNK_ROWS):
-            chunk = full[start : start + _CHUNK_ROWS]
-            if dialect == "postgresql":
-                payload = json.dumps(chunk, default=_json_default, allow_nan=False)
-                result = conn.execute(_pg_insert_ignore_stmt(table), {"rows": payload})
-            else:
-                result = conn.execute(sqlite.insert(table).on_conflict_do_nothing(), chunk)
-            inserted += result.rowcount
-    return inserted
-
-
 def insert_samples(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
     """Store output rows (keys: `SAMPLE_FIELDS`); returns how many were new.
 
     Idempotent: a redelivered shard re-inserting its rows stores nothing twice.
     Every sample must already be in the manifest (`requests`), or the insert fails.
     """
-    return _insert_ignore(engine, samples_t, rows)
+    return insert_ignore(engine, samples_t, rows)
 
 
 def insert_requests(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
     """Store manifest rows (job_id, sample_id, line_no, shard, payload); returns new count."""
-    return _insert_ignore(engine, requests_t, rows)
+    return insert_ignore(engine, requests_t, rows)
 
 
 def insert_rejected_lines(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
     """Store rejected input lines (job_id, line_no, sample_id, reason); returns new count."""
-    return _insert_ignore(engine, rejected_lines_t, rows)
+    return insert_ignore(engine, rejected_lines_t, rows)
 
 
 def insert_shards(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
     """Store shard rows (job_id, shard, line_start, line_end, n_samples); returns new count."""
-    return _insert_ignore(
+    return insert_ignore(
         engine,
         shards_t,
         ({"state": "queued", "attempts": 0, **row} for row in rows),
