@@ -202,19 +202,13 @@ def run_shard(self: Task, job_id: str, shard: int) -> dict[str, Any]:
 _PIPELINE = 1000  # messages per Redis pipeline when enqueueing a job's shards
 
 
-def enqueue_shard(job_id: str, shard: int, model: str) -> str:
-    """Send one shard of a job to its model's queue; returns the Celery task id.
-
-    Write the job, its manifest and its shards to the database first: the task reads them.
-    """
-    return run_shard.apply_async(args=(job_id, int(shard)), queue=queue_for(model)).id
-
-
 def enqueue_shards(job_id: str, shards: Iterable[int], model: str) -> int:
-    """`enqueue_shard` for many shards: one broker connection, messages sent in Redis
-    pipelines of 1,000 (kombu's Producer.batch: 0.15 ms a task instead of 0.36; messages
-    not yet flushed when this raises are not sent, and `resume` sends them). Returns how
-    many were sent."""
+    """Send shards of a job to its model's queue, one Celery task each; returns how many.
+
+    Write the job, its manifest and its shards to the database first: the tasks read
+    them. One broker connection, messages in Redis pipelines of 1,000 (kombu's
+    Producer.batch: 0.15 ms a task instead of 0.36); those not yet flushed when this
+    raises are not sent, and `resume` sends them."""
     queue = queue_for(model)
     sent = 0
     with app.producer_or_acquire() as producer, producer.batch(max_size=_PIPELINE):

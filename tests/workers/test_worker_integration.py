@@ -37,11 +37,11 @@ SHARD_SIZE = 5
 # A producer process: enqueue "job:shard" pairs with the real helper; print the start time.
 ENQUEUE = """
 import sys, time
-from workers.tasks import enqueue_shard
+from workers.tasks import enqueue_shards
 model, pairs = sys.argv[1], [p.rsplit(":", 1) for p in sys.argv[2:]]
 print(time.time(), flush=True)
 for job_id, shard in pairs:
-    enqueue_shard(job_id, int(shard), model)
+    enqueue_shards(job_id, [int(shard)], model)
 """
 
 
