@@ -48,7 +48,7 @@ def main(model: str, device: str, dtype: str, sizes: str, repeats: int) -> None:
     context = torch.randint(100, 1000, (1, CONTEXT), device=device)
     kv = target.kv()
     keys, values = kv.add_row(CONTEXT)
-    forward(target.lean, context, torch.arange(CONTEXT, device=device)[None], keys, values, 0)
+    forward(target.lean, context, torch.arange(CONTEXT, device=device)[None], keys, values, 0)[0]
     cache = DynamicCache(config=target.model.config)
     target.model.model(input_ids=context, cache=cache, use_cache=True)
     click.echo("| new tokens | transformers ms | engine ms | x | engine x one token |")
@@ -73,7 +73,7 @@ def _time_size(target, cache, kv, q: int, device: str, repeats: int) -> tuple[fl
     hf_head = target.model.get_output_embeddings()
 
     def engine() -> None:
-        target.lm_head(forward(target.lean, x, positions, keys, values, start, mask))
+        target.lm_head(forward(target.lean, x, positions, keys, values, start, mask)[0])
 
     def hf() -> None:
         out = target.model.model(input_ids=x, position_ids=positions, cache=cache, use_cache=True)

@@ -255,7 +255,7 @@ def measure(target: Target, head: LeanHead | None, max_batch: int, key: str = ""
         mask = kv.tree_mask(chain)
         keys, values = kv.layer_views()
         return lambda: target.lm_head(
-            forward(target.lean, ids, positions, keys, values, kv.slots, mask)
+            forward(target.lean, ids, positions, keys, values, kv.slots, mask)[0]
         )
 
     points = [(b, n, CONTEXT) for b in batches for n in TREE_GRID if b * n <= MAX_TOKENS]

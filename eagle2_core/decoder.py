@@ -23,7 +23,7 @@ from eagle2_core.drafters import Drafter
 from eagle2_core.dynamic import DynamicDrafter, FixedPlan, Fresh, cat_fresh, extend_fresh
 from eagle2_core.generation import DecodeStats, Generation, PromptError, seeded_generator
 from eagle2_core.lean_head import LeanHead
-from eagle2_core.llama import forward_capturing
+from eagle2_core.llama import forward
 from eagle2_core.models import Target
 from eagle2_core.plan import MAX_NODES, Calibration, Planner
 from eagle2_core.sequence import Prefill, Sequence, decoded_text, finish_reason, first_stop
@@ -322,7 +322,7 @@ class BatchDecoder:
         the same states, or for an EAGLE-3 head the inputs of its three layers [B, T, 3H]."""
         head = self.engine.lean_head
         layers = head.feature_layers if head is not None else ()
-        hidden, captured = forward_capturing(
+        hidden, captured = forward(
             self.target.lean, ids, positions, keys, values, start, mask, layers
         )
         return hidden, captured if captured is not None else hidden

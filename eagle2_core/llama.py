@@ -189,27 +189,15 @@ def forward(
     values: torch.Tensor,
     start: int,
     mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """ids, positions [B, T] -> final-norm hidden states [B, T, H].
+    layers: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids, positions [B, T] -> (final-norm hidden states [B, T, H], the hidden states
+    entering the given layers concatenated [B, T, len(layers) * H], or None for no layers:
+    an EAGLE-3 head's features).
 
     keys, values [layers, B, kv_heads, S, D] (`BatchKV.layer_views`): the new entries go to
     slots start..start+T. mask: see `attend`.
     """
-    return forward_capturing(model, ids, positions, keys, values, start, mask)[0]
-
-
-def forward_capturing(
-    model: LeanLlama,
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
-    mask: torch.Tensor | None = None,
-    layers: tuple[int, ...] = (),
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """As `forward`, plus the hidden states entering the given layers, concatenated
-    [B, T, len(layers) * H] (None for no layers): an EAGLE-3 head's features."""
     x = F.embedding(ids, model.embed)
     angles = rope(model.rotary, x, positions)
     captured = {}

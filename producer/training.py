@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import select
 
@@ -40,9 +40,6 @@ from producer.training_data import (
 from producer.training_heads import measure_tau, save_head, snapshots, starting_head
 from workers.db import iter_samples, make_engine
 from workers.schema import jobs_t
-
-if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
-    pass
 
 _DEFAULTS = DecodeConfig()
 
@@ -79,6 +76,29 @@ class DraftTraining:
     arch: str = "eagle2"  # eagle2: the EAGLE-1/2 head; eagle3: fused layers + training-time test
     ttt_steps: int = 3  # eagle3: draft steps unrolled per batch
 
+    @property
+    def answering(self) -> AnswerSettings:
+        return AnswerSettings(
+            self.model,
+            self.max_new_tokens,
+            self.temperature,
+            self.seed,
+            self.device,
+            self.answer_batch_size,
+        )
+
+
+@dataclass(frozen=True)
+class AnswerSettings:
+    """How the target writes its training answers (vanilla decoding through `run`)."""
+
+    model: str
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    device: str
+    batch_size: int
+
 
 def answers_url(directory: Path) -> str:
     """The answers' own SQLite database: never EAGLE2_DATABASE_URL's shared one."""
@@ -109,30 +129,21 @@ def read_answers(directory: Path) -> dict[str, dict[str, Any]]:
     return answers
 
 
-def generate_answers(
-    input_path: Path,
-    answers_dir: Path,
-    model: str,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    device: str,
-    batch_size: int,
-) -> None:
+def generate_answers(input_path: Path, answers_dir: Path, settings: AnswerSettings) -> None:
     """Answer the prompts with the embedded batch path; it resumes what an earlier run began.
 
     Samples that fail (a prompt longer than the context, say) are left out, not fatal.
     """
     try:
         spec = make_spec(
-            model=model,
+            model=settings.model,
             draft=None,
             mode="vanilla",
             shard_size=DEFAULT_SHARD_SIZE,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
             top_p=_DEFAULTS.top_p,
-            seed=seed,
+            seed=settings.seed,
             top_k=_DEFAULTS.top_k,
             depth=_DEFAULTS.depth,
             total_tokens=_DEFAULTS.total_tokens,
@@ -142,8 +153,8 @@ def generate_answers(
             spec,
             database_url=answers_url(answers_dir),
             out=answers_dir,
-            device=device,
-            batch_size=batch_size,
+            device=settings.device,
+            batch_size=settings.batch_size,
         )
     except JobError as exc:
         print(f"answers: {exc}; training on the answers that exist", flush=True)
@@ -155,14 +166,7 @@ def generate_answers(
 
 
 def ensure_answers(
-    out: Path,
-    items: list[Prompt],
-    model: str,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    device: str,
-    batch_size: int,
+    out: Path, items: list[Prompt], settings: AnswerSettings
 ) -> dict[str, dict[str, Any]]:
     """Answers to every item: those already in OUT/answers, plus a `run` over the rest.
 
@@ -184,9 +188,7 @@ def ensure_answers(
         directory.mkdir(parents=True, exist_ok=True)
         input_path.write_text(text, encoding="utf-8")  # unchanged input: `run` resumes its job
     print(f"answers: the target answers {len(missing)} prompts (vanilla decoding)", flush=True)
-    generate_answers(
-        input_path, directory, model, max_new_tokens, temperature, seed, device, batch_size
-    )
+    generate_answers(input_path, directory, settings)
     marker.write_text(digest)
     return read_answers(directory)
 
@@ -212,16 +214,7 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
             raise TrainingError(f"{training.prompts} has no training prompts")
     answers = {}
     if train_items or val_items:
-        answers = ensure_answers(
-            training.out,
-            train_items + val_items,
-            training.model,
-            training.max_new_tokens,
-            training.temperature,
-            training.seed,
-            training.device,
-            training.answer_batch_size,
-        )
+        answers = ensure_answers(training.out, train_items + val_items, training.answering)
 
     try:
         target = load_target(training.model, device=training.device)

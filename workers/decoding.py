@@ -31,9 +31,18 @@ from workers.request import Request
 
 log = logging.getLogger(__name__)
 
-# Job params and per-line overrides that map onto DecodeConfig fields.
-
 _DEFAULTS = DecodeConfig()
+
+
+@dataclass(frozen=True)
+class RowOrigin:
+    """Where a shard's rows come from: the job and shard, the worker, the device (None:
+    the decoder's own)."""
+
+    job_id: str
+    shard: int
+    worker: str
+    device: str | None = None
 
 
 def describe_device(device: torch.device | str) -> str:
@@ -123,27 +132,8 @@ class SampleDecoder:
         settings["stop"] = tuple(settings["stop"])  # JSON gives a list
         return settings
 
-    def decode(
-        self,
-        request: Request,
-        job_params: Mapping[str, Any],
-        job_id: str,
-        shard: int,
-        worker: str,
-        device: str | None = None,
-    ) -> dict[str, Any]:
-        """The row of one request (`decode_many` of one)."""
-        rows = self.decode_many([request], job_params, job_id, shard, worker, device)
-        return next(iter(rows))
-
     def decode_many(
-        self,
-        requests: Iterable[Request],
-        job_params: Mapping[str, Any],
-        job_id: str,
-        shard: int,
-        worker: str,
-        device: str | None = None,
+        self, requests: Iterable[Request], job_params: Mapping[str, Any], origin: RowOrigin
     ) -> Iterator[dict[str, Any]]:
         """Answer every turn of every request, `batch_size` sequences at a time; yields one
         row (all of `workers.schema.SAMPLE_FIELDS`) per request as soon as it is done.
@@ -158,7 +148,7 @@ class SampleDecoder:
         pending = iter(requests)
         while True:
             while decoder.active < self.batch_size and (request := next(pending, None)):
-                chat = self._start(request, job_params, job_id, shard, worker, device)
+                chat = self._start(request, job_params, origin)
                 failed = chat.row if chat.row.get("status") == "failed" else None
                 failed = failed or self._next_turn(decoder, chat)
                 if failed is not None:
@@ -175,23 +165,15 @@ class SampleDecoder:
                     del chats[sample_id]
                     yield done
 
-    def _start(
-        self,
-        request: Request,
-        job_params: Mapping[str, Any],
-        job_id: str,
-        shard: int,
-        worker: str,
-        device: str | None,
-    ) -> _Chat:
+    def _start(self, request: Request, job_params: Mapping[str, Any], origin: RowOrigin) -> _Chat:
         settings = self.config_for(request, job_params)
         row: dict[str, Any] = {
-            "job_id": job_id,
+            "job_id": origin.job_id,
             "sample_id": request.sample_id,
             "request_id": request.line_id,
             "choice_index": request.choice_index,
             "line_no": request.line_no,
-            "shard": shard,
+            "shard": origin.shard,
             "custom_id": request.custom_id,
             "category": request.category,
             "mode": self.mode,
@@ -200,8 +182,8 @@ class SampleDecoder:
             "temperature": float(settings["temperature"]),
             "top_p": float(settings["top_p"]),
             "seed": settings["seed"],
-            "worker": worker,
-            "device": device or self.device,
+            "worker": origin.worker,
+            "device": origin.device or self.device,
         }
         chat = _Chat(request, row, None, [], list(request.messages), None)
         try:

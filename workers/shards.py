@@ -128,6 +128,8 @@ def process_shard(
     Errors mark the shard 'failed' and are re-raised, except `RETRYABLE_DB_ERRORS`, which
     are re-raised untouched for the caller to retry (nothing stored is lost).
     """
+    from workers.decoding import RowOrigin  # torch: loaded already, with the decoder
+
     started = time.perf_counter()
     shard = int(shard)
     tally = _Tally()
@@ -167,7 +169,9 @@ def process_shard(
             )
             for row in pending
         )
-        for sample in decoder.decode_many(requests, params, job_id, shard, worker, device):
+        for sample in decoder.decode_many(
+            requests, params, RowOrigin(job_id, shard, worker, device)
+        ):
             unflushed.append(sample)
             tally.decoded += 1
             tally.failed += sample["status"] == "failed"

@@ -12,7 +12,7 @@ import click
 
 from eagle2_core.config import AUTO
 from eagle2_core.registry import DEFAULT_MODEL
-from producer.cli.options import TREE_SIZE_HELP, TreeSize
+from producer.cli.options import TREE_SIZE_HELP, TreeSize, choice_option
 from producer.inputs import read_requests
 from producer.validate import Rejected
 
@@ -57,12 +57,11 @@ from producer.validate import Rejected
 @click.option(
     "--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N: where to decode."
 )
-@click.option(
+@choice_option(
     "--dtype",
-    type=click.Choice(["fp32", "bf16"]),
-    default="fp32",
-    show_default=True,
-    help="Weights and activations: fp32 (greedy outputs match generate exactly) or bf16 "
+    ["fp32", "bf16"],
+    "fp32",
+    "Weights and activations: fp32 (greedy outputs match generate exactly) or bf16 "
     "(a GPU's speed; ties and rounding may then differ between modes).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")

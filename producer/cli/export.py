@@ -7,21 +7,20 @@ from pathlib import Path
 
 import click
 
-from producer.cli.options import resolve_url, url_option
+from producer.cli.options import choice_option, resolve_url, url_option
 from producer.export import FORMATS, export_job
 from workers.db import make_engine
 
 
 @click.command()
 @click.argument("job")
-@click.option(
+@choice_option(
     "--format",
-    "fmt",
-    type=click.Choice(FORMATS),
-    default="jsonl",
-    show_default=True,
-    help="jsonl: one output row (completion) per line; openai: OpenAI Batch API output, one "
+    FORMATS,
+    "jsonl",
+    "jsonl: one output row (completion) per line; openai: OpenAI Batch API output, one "
     "line per request with its n completions as choices; parquet: one file.",
+    dest="fmt",
 )
 @click.option(
     "--out",

@@ -7,7 +7,7 @@ none is installed (benchmarks/gpu_check.sh runs it alone).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,38 @@ from workers.request import MAX_COMPLETIONS
 from workers.settings import Settings, load_settings
 
 _DEFAULTS = DecodeConfig()
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def count_option(name: str, default: int, help: str, minimum: int = 1, **extra: Any) -> Decorator:
+    """An integer option of at least `minimum` whose --help shows its default: the shape
+    most of the commands' numbers take."""
+    return click.option(
+        name, type=click.IntRange(minimum), default=default, show_default=True, help=help, **extra
+    )
+
+
+def choice_option(
+    name: str, choices: Sequence[str], default: str, help: str, dest: str | None = None
+) -> Decorator:
+    """One of `choices`, the default shown in --help; `dest` names the parameter where the
+    option's own name would not do."""
+    names = [name, dest] if dest else [name]
+    return click.option(
+        *names, type=click.Choice(choices), default=default, show_default=True, help=help
+    )
+
+
+def folder_option(name: str, help: str, **extra: Any) -> Decorator:
+    """A folder to write into (made if missing), as a Path."""
+    return click.option(name, type=click.Path(file_okay=False, path_type=Path), help=help, **extra)
+
+
+# INPUT of the job-creating commands (submit, run)
+input_argument = click.argument(
+    "input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
 
 
 class TreeSize(click.ParamType):
@@ -98,20 +130,17 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
             help="EAGLE draft head directory (config.json + model.safetensors). "
             "Default: the head shipped for the model alias. Ignored with --mode vanilla.",
         ),
-        click.option(
+        choice_option(
             "--mode",
-            type=click.Choice(MODES),
-            default="eagle2",
-            show_default=True,
-            help="eagle2: dynamic draft tree; eagle1: static tree; vanilla: plain "
-            "decoding without a draft (the baseline).",
+            MODES,
+            "eagle2",
+            "eagle2: dynamic draft tree; eagle1: static tree; vanilla: plain decoding "
+            "without a draft (the baseline).",
         ),
-        click.option(
+        count_option(
             "--max-new-tokens",
-            type=click.IntRange(min=1),
-            default=_DEFAULTS.max_new_tokens,
-            show_default=True,
-            help="Tokens to generate per answer (a line's max_tokens overrides it).",
+            _DEFAULTS.max_new_tokens,
+            "Tokens to generate per answer (a line's max_tokens overrides it).",
         ),
         click.option(
             "--temperature",
@@ -170,28 +199,22 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
             show_default=True,
             help=TREE_SIZE_HELP,
         ),
-        click.option(
+        count_option(
             "--depth",
-            type=click.IntRange(min=1),
-            default=_DEFAULTS.depth,
-            show_default=True,
-            help="Draft tree depth: most drafted tokens a cycle can accept (with "
-            "--total-tokens auto, the most draft steps a round may take).",
+            _DEFAULTS.depth,
+            "Draft tree depth: most drafted tokens a cycle can accept (with --total-tokens "
+            "auto, the most draft steps a round may take).",
         ),
-        click.option(
+        count_option(
             "--top-k",
-            type=click.IntRange(min=1),
-            default=_DEFAULTS.top_k,
-            show_default=True,
-            help="Children expanded per draft tree node (with --total-tokens auto, "
-            "the widest a level may be).",
+            _DEFAULTS.top_k,
+            "Children expanded per draft tree node (with --total-tokens auto, the widest a "
+            "level may be).",
         ),
-        click.option(
+        count_option(
             "--shard-size",
-            type=click.IntRange(min=1),
-            default=DEFAULT_SHARD_SIZE,
-            show_default=True,
-            help="Input lines per shard, the unit a worker takes and a resume redoes.",
+            DEFAULT_SHARD_SIZE,
+            "Input lines per shard, the unit a worker takes and a resume redoes.",
         ),
         click.option(
             "--strict",
@@ -205,11 +228,9 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
             help="Only validate INPUT and print the plan (lines, good, rejected, shards).",
         ),
         db_url_option,
-        click.option(
+        folder_option(
             "--out",
-            type=click.Path(file_okay=False, path_type=Path),
-            default=None,
-            help="Output folder: Parquet files and the default SQLite database "
+            "Output folder: Parquet files and the default SQLite database "
             "(default: EAGLE2_OUTPUT_DIR, else ./eagle2-out).",
         ),
     ]

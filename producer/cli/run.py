@@ -10,15 +10,13 @@ import click
 
 from eagle2_core.config import DEFAULT_BATCH_SIZE
 from producer.cli.common import exit_for, spec_from_options, user_errors
-from producer.cli.options import job_options, settings_for
+from producer.cli.options import input_argument, job_options, settings_for
 from producer.creation import format_plan, plan_input
 from producer.local_run import format_run, run_job
 
 
 @click.command()
-@click.argument(
-    "input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False, path_type=Path)
-)
+@input_argument
 @job_options
 @click.option(
     "--device",

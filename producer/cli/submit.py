@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from producer.cli.common import database, exit_for, spec_from_options, user_errors
-from producer.cli.options import job_options, settings_for
+from producer.cli.options import input_argument, job_options, settings_for
 from producer.control import enqueue_shards
 from producer.creation import build_job, describe_counts, format_plan, plan_input
 from producer.jobs import ok_sample_ids, shard_ids
@@ -18,9 +18,7 @@ from producer.status import find_job, wait_for
 
 
 @click.command()
-@click.argument(
-    "input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False, path_type=Path)
-)
+@input_argument
 @job_options
 @click.option(
     "--resume-from",

@@ -11,8 +11,11 @@ import click
 from eagle2_core.config import DRAFT_VOCAB_SIZE
 from eagle2_core.registry import DEFAULT_MODEL
 from producer.cli.common import user_errors
+from producer.cli.options import choice_option, count_option, folder_option
 from producer.model_card import format_tau
 from producer.training import DraftTraining, train_draft_head
+
+_JSONL = click.Path(exists=True, dir_okay=False, path_type=Path)
 
 
 def _token_counts(text: str) -> list[int]:
@@ -33,7 +36,7 @@ def _token_counts(text: str) -> list[int]:
 )
 @click.option(
     "--prompts",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=_JSONL,
     help="JSONL prompts ({id, prompt} or {id, messages}) the target answers itself "
     "(self-distillation), e.g. shared/datasets/train_prompts.jsonl. Ids in the "
     "validation split (sha256(id) % 50 == 0) are only used to measure the head.",
@@ -41,19 +44,18 @@ def _token_counts(text: str) -> list[int]:
 @click.option(
     "--conversations",
     multiple=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=_JSONL,
     help="JSONL conversations that already have answers ({id, messages} with assistant "
     "turns), e.g. shared/datasets/train_conversations.jsonl: every answer turn is "
     "trained on, nothing is decoded. Validation-split ids only measure the head. "
     "Repeatable; with --prompts too, all are mixed.",
 )
-@click.option(
+@count_option(
     "--max-conversations",
-    default=0,
-    show_default=True,
-    type=click.IntRange(0),
-    help="Training conversations taken from each --conversations file (a fixed "
-    "hash-ordered pick; 0: all of them).",
+    0,
+    "Training conversations taken from each --conversations file (a fixed hash-ordered "
+    "pick; 0: all of them).",
+    minimum=0,
 )
 @click.option(
     "--snapshot-tokens",
@@ -61,40 +63,21 @@ def _token_counts(text: str) -> list[int]:
     help="Comma-separated answer-token counts (e.g. 200000,1000000) at which a copy of "
     "the head is written to OUT/snapshots/tokens-N: the returns on data, from one run.",
 )
-@click.option(
+@folder_option(
     "--out",
+    "Working folder: answers, features, checkpoints and the head (OUT/head). What is "
+    "there is reused: use a new folder for other answer settings.",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Working folder: answers, features, checkpoints and the head (OUT/head). "
-    "What is there is reused: use a new folder for other answer settings.",
 )
-@click.option(
-    "--max-samples",
-    default=512,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Training prompts to answer and learn from (a fixed hash-ordered pick).",
+@count_option(
+    "--max-samples", 512, "Training prompts to answer and learn from (a fixed hash-ordered pick)."
 )
-@click.option(
-    "--val-samples",
-    default=32,
-    show_default=True,
-    type=click.IntRange(0),
-    help="Held-out validation prompts to answer and measure on.",
+@count_option(
+    "--val-samples", 32, "Held-out validation prompts to answer and measure on.", minimum=0
 )
-@click.option(
-    "--epochs",
-    default=2,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Passes over the training conversations.",
-)
-@click.option(
-    "--max-new-tokens",
-    default=128,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Longest answer the target writes (and the length of the tau check).",
+@count_option("--epochs", 2, "Passes over the training conversations.")
+@count_option(
+    "--max-new-tokens", 128, "Longest answer the target writes (and the length of the tau check)."
 )
 @click.option(
     "--temperature",
@@ -103,19 +86,11 @@ def _token_counts(text: str) -> list[int]:
     type=click.FloatRange(0),
     help="Answer sampling temperature; 0 (greedy) trains on the contexts that T=0 decoding visits.",
 )
-@click.option(
-    "--batch-size",
-    default=8,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Conversations per optimizer step (padded to the longest).",
-)
-@click.option(
+@count_option("--batch-size", 8, "Conversations per optimizer step (padded to the longest).")
+@count_option(
     "--answer-batch-size",
-    default=16,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Prompts the target answers at once (batched decoding; answers do not change).",
+    16,
+    "Prompts the target answers at once (batched decoding; answers do not change).",
 )
 @click.option(
     "--lr",
@@ -124,54 +99,29 @@ def _token_counts(text: str) -> list[int]:
     type=click.FloatRange(min=0, min_open=True),
     help="Peak AdamW learning rate (betas 0.9/0.95), cosine-decayed to 0.",
 )
-@click.option(
-    "--warmup-steps",
-    default=20,
-    show_default=True,
-    type=click.IntRange(0),
-    help="Steps of linear learning-rate warm-up.",
-)
-@click.option(
-    "--max-len",
-    default=1024,
-    show_default=True,
-    type=click.IntRange(2),
-    help="Conversations are cut to this many tokens.",
-)
-@click.option(
-    "--checkpoint-every",
-    default=100,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Steps between checkpoints in OUT/checkpoints (one more at the end).",
+@count_option("--warmup-steps", 20, "Steps of linear learning-rate warm-up.", minimum=0)
+@count_option("--max-len", 1024, "Conversations are cut to this many tokens.", minimum=2)
+@count_option(
+    "--checkpoint-every", 100, "Steps between checkpoints in OUT/checkpoints (one more at the end)."
 )
 @click.option(
     "--eval-prompts",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=_JSONL,
     help="JSONL whose first turns measure tau (e.g. shared/benchmarks/mt_bench/"
     "question.jsonl); default: the validation prompts.",
 )
-@click.option(
-    "--eval-samples",
-    default=10,
-    show_default=True,
-    type=click.IntRange(0),
-    help="How many prompts the tau check decodes (0: skip it).",
+@count_option(
+    "--eval-samples", 10, "How many prompts the tau check decodes (0: skip it).", minimum=0
 )
-@click.option(
-    "--device",
-    type=click.Choice(["cpu", "cuda"]),
-    default="cpu",
-    show_default=True,
-    help="Where features are extracted and the head is trained.",
+@choice_option(
+    "--device", ["cpu", "cuda"], "cpu", "Where features are extracted and the head is trained."
 )
-@click.option(
+@choice_option(
     "--precision",
-    type=click.Choice(["auto", "bf16", "fp32"]),
-    default="auto",
-    show_default=True,
-    help="bf16: autocast around the head (fp32 master weights); auto: bf16 on cuda, fp32 on "
-    "cpu (CPUs without bf16 matrix units run bf16 autocast far slower: 30x measured on AVX2).",
+    ["auto", "bf16", "fp32"],
+    "auto",
+    "bf16: autocast around the head (fp32 master weights); auto: bf16 on cuda, fp32 on cpu "
+    "(CPUs without bf16 matrix units run bf16 autocast far slower: 30x measured on AVX2).",
 )
 @click.option(
     "--seed",
@@ -187,30 +137,26 @@ def _token_counts(text: str) -> list[int]:
     "more answers: a head folder (config.json + model.safetensors) or `shipped`, the "
     "head the package ships for MODEL. A checkpoint taken up with --resume wins over it.",
 )
-@click.option(
+@count_option(
     "--draft-vocab-size",
-    type=click.IntRange(min=0),
-    default=DRAFT_VOCAB_SIZE,
-    show_default=True,
-    help="The head drafts from the N tokens most frequent in its training answers "
-    "(written beside it as draft_vocab.safetensors); 0: the full vocabulary.",
+    DRAFT_VOCAB_SIZE,
+    "The head drafts from the N tokens most frequent in its training answers (written "
+    "beside it as draft_vocab.safetensors); 0: the full vocabulary.",
+    minimum=0,
 )
-@click.option(
+@choice_option(
     "--arch",
-    type=click.Choice(["eagle2", "eagle3"]),
-    default="eagle2",
-    show_default=True,
-    help="eagle2: the EAGLE-1/2 head (fc over [embedding, final feature]); eagle3: "
-    "features fused from three target layers, its own lm_head over the draft vocabulary, "
-    "trained with training-time test (saved in the public EAGLE-3 layout).",
+    ["eagle2", "eagle3"],
+    "eagle2",
+    "eagle2: the EAGLE-1/2 head (fc over [embedding, final feature]); eagle3: features "
+    "fused from three target layers, its own lm_head over the draft vocabulary, trained "
+    "with training-time test (saved in the public EAGLE-3 layout).",
 )
-@click.option(
+@count_option(
     "--ttt-steps",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="--arch eagle3: draft steps unrolled per batch (the reference uses 7; each costs "
-    "a head forward).",
+    3,
+    "--arch eagle3: draft steps unrolled per batch (the reference uses 7; each costs a "
+    "head forward).",
 )
 @click.option(
     "--resume",

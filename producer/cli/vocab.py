@@ -10,24 +10,18 @@ import click
 from eagle2_core.config import DRAFT_VOCAB_SIZE
 from eagle2_core.registry import DEFAULT_MODEL
 from producer.cli.common import user_errors
+from producer.cli.options import count_option, folder_option
 from producer.draft_vocab import write_draft_vocab
 
 
 @click.command("draft-vocab")
 @click.argument("data", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="The target model.")
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="The head's folder: draft_vocab.safetensors is written there.",
+@folder_option(
+    "--out", "The head's folder: draft_vocab.safetensors is written there.", required=True
 )
-@click.option(
-    "--size",
-    type=click.IntRange(min=1),
-    default=DRAFT_VOCAB_SIZE,
-    show_default=True,
-    help="Tokens in the draft vocabulary (the most frequent ones).",
+@count_option(
+    "--size", DRAFT_VOCAB_SIZE, "Tokens in the draft vocabulary (the most frequent ones)."
 )
 def draft_vocab(data: tuple[Path, ...], model: str, out: Path, size: int) -> None:
     """Write the draft vocabulary of a head from DATA: files of the target's answers.

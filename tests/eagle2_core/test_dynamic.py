@@ -20,7 +20,7 @@ def prefill(target, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     kv = target.kv()
     keys, values = kv.add_row(len(prompt))
     ids = torch.tensor(prompt)
-    features = forward(target.lean, ids[None], torch.arange(len(prompt))[None], keys, values, 0)
+    features, _ = forward(target.lean, ids[None], torch.arange(len(prompt))[None], keys, values, 0)
     root = target.lm_head(features[0, -1]).argmax()
     return features[0], torch.cat([ids[1:], root[None]])
 

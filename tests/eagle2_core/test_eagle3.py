@@ -14,7 +14,7 @@ from eagle2_core.draft import DraftCheckpointError, draft_config_for
 from eagle2_core.eagle3 import ARCHITECTURE, Eagle3Head, LeanEagle3, reference_layers
 from eagle2_core.engine import Engine, load_head
 from eagle2_core.kv import BatchKV
-from eagle2_core.llama import forward_capturing
+from eagle2_core.llama import forward
 from eagle2_core.vocab import DraftVocab
 from tests.eagle2_core.tiny import hf_greedy, prompts, tiny_target
 
@@ -87,9 +87,7 @@ def test_the_features_are_the_hidden_states_transformers_reports(target):
         target.device,
     )
     keys, values = kv.add_row(7)
-    _, got = forward_capturing(
-        target.lean, ids, torch.arange(7)[None], keys, values, 0, None, layers
-    )
+    _, got = forward(target.lean, ids, torch.arange(7)[None], keys, values, 0, None, layers)
     states = target.model(ids, output_hidden_states=True).hidden_states
     want = torch.cat([states[i] for i in layers], dim=-1)
     # the states grow to ~500 through the random layers: fp32 rounding, not a wrong layer (~200 off)

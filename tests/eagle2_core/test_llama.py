@@ -55,7 +55,7 @@ def test_prefill_then_steps_equal_one_transformers_forward(kind):
         positions = torch.arange(start, start + size).expand(2, size)
         causal = torch.ones(size, size, dtype=torch.bool).tril().expand(2, size, size)
         mask = kv.tree_mask(causal)
-        pieces.append(forward(target.lean, chunk, positions, keys, values, start, mask))
+        pieces.append(forward(target.lean, chunk, positions, keys, values, start, mask)[0])
         kv.commit(start, torch.arange(size).expand(2, size), torch.tensor([size, size]))
         start += size
     torch.testing.assert_close(torch.cat(pieces, dim=1), want, rtol=1e-4, atol=1e-4)

@@ -121,7 +121,8 @@ def test_train_draft_end_to_end_and_resume(
         lambda path, *a: sent.append([json.loads(x)["id"] for x in path.read_text().splitlines()]),
     )
     train, val = train_cli.select_prompts(prompts, 9, 2)
-    train_cli.ensure_answers(out, train + val, str(model_dir), 10, 0.0, 0, "cpu", 4)
+    settings = train_cli.AnswerSettings(str(model_dir), 10, 0.0, 0, "cpu", 4)
+    train_cli.ensure_answers(out, train + val, settings)
     assert sent == [[train[8][0]]]
 
 

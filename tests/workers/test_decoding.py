@@ -14,7 +14,7 @@ from eagle2_core.draft import save_draft
 from eagle2_core.engine import Engine
 from eagle2_core.registry import DraftUnavailableError
 from tests.eagle2_core.tiny import tiny_head, tiny_target
-from workers.decoding import SampleDecoder
+from workers.decoding import RowOrigin, SampleDecoder
 from workers.request import Request
 from workers.schema import SAMPLE_FIELDS
 
@@ -68,8 +68,12 @@ def decoder() -> SampleDecoder:
     )
 
 
-def decode(decoder: SampleDecoder, req: Request, params=JOB) -> dict:
-    return decoder.decode(req, params, "job1", 2, "cpu0@test", "cpu")
+ORIGIN = RowOrigin("job1", 2, "cpu0@test", "cpu")
+
+
+def decode(decoder: SampleDecoder, req: Request, params=JOB, origin=ORIGIN) -> dict:
+    """The row of one request."""
+    return next(decoder.decode_many([req], params, origin))
 
 
 def test_row_has_every_samples_field_and_identity(decoder):
@@ -174,7 +178,7 @@ def test_batched_rows_equal_one_at_a_time(decoder):
     batched = SampleDecoder(
         decoder.engine, model="tiny-llama", draft="tiny-eagle", mode="eagle2", batch_size=3
     )
-    rows = list(batched.decode_many(reqs, JOB, "job1", 2, "cpu0@test", "cpu"))
+    rows = list(batched.decode_many(reqs, JOB, ORIGIN))
     assert sorted(r["sample_id"] for r in rows) == sorted(alone)
     assert [r["sample_id"] for r in rows][:2] == ["bad", "too-long"]  # failed: no decoding
     keys = ("status", "output_text", "turn_outputs", "completion_tokens", "n_cycles")
@@ -190,7 +194,7 @@ def test_speculative_modes_refuse_to_run_without_a_draft(tmp_path):
         with pytest.raises(DraftUnavailableError, match="--draft"):
             SampleDecoder.load(str(tmp_path / "not-loaded"), None, mode)  # refused before load
     vanilla = SampleDecoder(Engine(target), model="tiny", draft="ignored", mode="vanilla")
-    row = vanilla.decode(request(), JOB, "job1", 0, "w", None)
+    row = decode(vanilla, request(), origin=RowOrigin("job1", 0, "w"))
     assert row["status"] == "ok" and row["draft"] is None and row["device"] == "cpu"
 
 
