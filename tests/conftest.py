@@ -45,6 +45,17 @@ def private_cache_dir() -> Iterator[None]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a busy 2-core machine: 2 threads spin-wait, 20-50x slower than 1."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def make_pg_database() -> Iterator[Callable[[], str]]:
     """Factory of fresh, empty, uniquely named Postgres databases; all dropped at the end."""
@@ -95,6 +106,26 @@ def engine(db_url: str) -> Iterator[Engine]:
     eng.dispose()
 
 
+def _identity(request_row: dict[str, Any]) -> dict[str, Any]:
+    """The fields of an output row that come from its manifest row and the job."""
+    payload = request_row["payload"]
+    return {
+        "job_id": request_row["job_id"],
+        "sample_id": request_row["sample_id"],
+        "request_id": payload.get("request_id") or request_row["sample_id"],
+        "choice_index": payload.get("choice_index", 0),
+        "line_no": request_row["line_no"],
+        "shard": request_row["shard"],
+        "custom_id": payload.get("custom_id"),
+        "category": payload.get("category"),
+        "mode": "eagle2",
+        "model": "tiny-llama",
+        "draft": "tiny-eagle",
+        "temperature": 0.0,
+        "top_p": 1.0,
+    }
+
+
 def _fake_sample(
     request_row: dict[str, Any], rng: random.Random, depth: int = 5, **overrides: Any
 ) -> dict[str, Any]:
@@ -115,24 +146,12 @@ def _fake_sample(
     verify_ms = rng.uniform(5, 300)
     total_ms = draft_ms + verify_ms + rng.uniform(1, 50)
     row = {
-        "job_id": request_row["job_id"],
-        "sample_id": request_row["sample_id"],
-        "request_id": request_row["payload"].get("request_id") or request_row["sample_id"],
-        "choice_index": request_row["payload"].get("choice_index", 0),
-        "line_no": request_row["line_no"],
-        "shard": request_row["shard"],
-        "custom_id": request_row["payload"].get("custom_id"),
-        "category": request_row["payload"].get("category"),
+        **_identity(request_row),
         "output_text": f"answer {request_row['sample_id']}",
         "turn_outputs": [f"answer {request_row['sample_id']}"],
         "prompt_tokens": rng.randint(5, 100),
         "completion_tokens": completion,
         "finish_reason": rng.choice(["stop", "length"]),
-        "mode": "eagle2",
-        "model": "tiny-llama",
-        "draft": "tiny-eagle",
-        "temperature": 0.0,
-        "top_p": 1.0,
         "seed": 7,
         "n_cycles": n_cycles,
         "mean_accept_length": completion / n_cycles,
@@ -156,19 +175,7 @@ def _fake_sample(
 def _failed_sample(request_row: dict[str, Any], error: str = "boom") -> dict[str, Any]:
     """A failed output row: identity and settings only, no measurements."""
     return {
-        "job_id": request_row["job_id"],
-        "sample_id": request_row["sample_id"],
-        "request_id": request_row["payload"].get("request_id") or request_row["sample_id"],
-        "choice_index": request_row["payload"].get("choice_index", 0),
-        "line_no": request_row["line_no"],
-        "shard": request_row["shard"],
-        "custom_id": request_row["payload"].get("custom_id"),
-        "category": request_row["payload"].get("category"),
-        "mode": "eagle2",
-        "model": "tiny-llama",
-        "draft": "tiny-eagle",
-        "temperature": 0.0,
-        "top_p": 1.0,
+        **_identity(request_row),
         "worker": "w1@test",
         "device": "cpu",
         "status": "failed",

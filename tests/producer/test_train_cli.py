@@ -55,29 +55,9 @@ def test_train_draft_end_to_end_and_resume(
     model_dir: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "out"
-    args = [
-        "train-draft",
-        "--model",
-        str(model_dir),
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(out),
-        "--max-samples",
-        "8",
-        "--val-samples",
-        "2",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "4",
-        "--max-new-tokens",
-        "10",
-        "--checkpoint-every",
-        "2",
-        "--eval-samples",
-        "2",
-    ]
+    args = ["train-draft", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out)]
+    args += "--max-samples 8 --val-samples 2 --epochs 2 --batch-size 4".split()
+    args += "--max-new-tokens 10 --checkpoint-every 2 --eval-samples 2".split()
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "head written to" in result.output
@@ -131,29 +111,9 @@ def test_init_head_fine_tunes_the_given_head(
 ) -> None:
     target = load_target(str(model_dir))
     start = save_draft(new_draft_head(target.model.config, seed=11), tmp_path / "start")
-    args = [
-        "train-draft",
-        "--model",
-        str(model_dir),
-        "--prompts",
-        str(prompts),
-        "--max-samples",
-        "4",
-        "--val-samples",
-        "0",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "4",
-        "--max-new-tokens",
-        "6",
-        "--eval-samples",
-        "0",
-        "--lr",
-        "1e-9",
-        "--warmup-steps",
-        "0",
-    ]
+    args = ["train-draft", "--model", str(model_dir), "--prompts", str(prompts)]
+    args += "--max-samples 4 --val-samples 0 --epochs 1 --batch-size 4 --max-new-tokens 6".split()
+    args += "--eval-samples 0 --lr 1e-9 --warmup-steps 0".split()
     out = tmp_path / "out"
     result = CliRunner().invoke(main, [*args, "--out", str(out), "--init-head", str(start)])
     assert result.exit_code == 0, result.output + repr(result.exception)
@@ -196,27 +156,9 @@ def test_train_draft_on_conversations_decodes_nothing_and_snapshots(
         train_cli, "generate_answers", lambda *a: pytest.fail("conversations need no decoding")
     )
     out = tmp_path / "out"
-    args = [
-        "train-draft",
-        "--model",
-        str(model_dir),
-        "--conversations",
-        str(path),
-        "--out",
-        str(out),
-        "--max-conversations",
-        "10",
-        "--val-samples",
-        "2",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "4",
-        "--eval-samples",
-        "0",
-        "--snapshot-tokens",
-        "40,90",
-    ]
+    args = ["train-draft", "--model", str(model_dir), "--conversations", str(path)]
+    args += ["--out", str(out), *"--max-conversations 10 --val-samples 2 --epochs 2".split()]
+    args += "--batch-size 4 --eval-samples 0 --snapshot-tokens 40,90".split()
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output + repr(result.exception)
     summary = json.loads((out / "summary.json").read_text())

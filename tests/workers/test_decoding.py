@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from eagle2_core.config import DecodeConfig
 from eagle2_core.draft import save_draft
@@ -17,6 +15,8 @@ from tests.eagle2_core.tiny import tiny_head, tiny_target
 from workers.decoding import RowOrigin, SampleDecoder
 from workers.request import Request
 from workers.schema import SAMPLE_FIELDS
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}t2"
 JOB = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 4, "depth": 3}
@@ -49,15 +49,6 @@ def request(sample_id: str = "s1", followups=(), overrides=None, content="t5 t6 
         custom_id="c-1",
         category="math",
     )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models on a busy 2-core machine: 2 threads spin-wait, 20-50x slower than 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,12 @@ from collections.abc import Iterator
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 from sqlalchemy import Engine, select
 from sqlalchemy.exc import OperationalError
 
 from eagle2_core.engine import Engine as DecodeEngine
 from tests.eagle2_core.tiny import tiny_head
+from tests.workers.manifests import store_job
 from tests.workers.test_decoding import chat_target
 from workers import db, shards
 from workers.decoding import SampleDecoder
@@ -19,7 +19,10 @@ from workers.parquet_sink import read_job_parquet, shard_path
 from workers.request import Request
 from workers.shards import JobNotFoundError, process_shard
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 N, SHARD_SIZE = 10, 4  # shards 0 and 1 hold 4 samples, shard 2 holds 2
+PARAMS = {"max_new_tokens": 6, "top_k": 4, "depth": 3, "total_tokens": 12}
 WORKER = "cpu0@test"
 
 
@@ -42,15 +45,6 @@ class Decoder:
             yield row
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models on a busy 2-core machine: 2 threads spin-wait, 20-50x slower than 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def decoder() -> SampleDecoder:
     target = chat_target()
@@ -67,39 +61,11 @@ def small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
 def make_job(engine: Engine, prompts: list[str] | None = None) -> str:
     """A job with its manifest (Request payloads) and shards, as the producer writes it."""
     prompts = prompts or [f"t{5 + i} t{6 + i} t7" for i in range(N)]
-    n_shards = (len(prompts) + SHARD_SIZE - 1) // SHARD_SIZE
-    job_id = db.insert_job(
-        engine,
-        input_path="prompts.jsonl",
-        model="tiny-llama",
-        draft="tiny-eagle",
-        mode="eagle2",
-        params={"max_new_tokens": 6, "top_k": 4, "depth": 3, "total_tokens": 12},
-        n_expected=len(prompts),
-        n_shards=n_shards,
-    )
     requests = [
         Request(f"q{i}", i + 1, [{"role": "user", "content": p}], category="c")
         for i, p in enumerate(prompts)
     ]
-    db.insert_requests(
-        engine,
-        [
-            {"job_id": job_id, "sample_id": r.sample_id, "line_no": r.line_no,
-             "shard": i // SHARD_SIZE, "payload": r.to_payload()}
-            for i, r in enumerate(requests)
-        ],
-    )  # fmt: skip
-    db.insert_shards(
-        engine,
-        [
-            {"job_id": job_id, "shard": s, "line_start": s * SHARD_SIZE + 1,
-             "line_end": min((s + 1) * SHARD_SIZE, len(prompts)),
-             "n_samples": min(SHARD_SIZE, len(prompts) - s * SHARD_SIZE)}
-            for s in range(n_shards)
-        ],
-    )  # fmt: skip
-    return job_id
+    return store_job(engine, requests, SHARD_SIZE, PARAMS)
 
 
 def shard_row(engine: Engine, job_id: str, shard: int) -> dict:

@@ -20,6 +20,7 @@ from sqlalchemy import Engine, func, select
 
 from eagle2_core import models
 from migrations import upgrade
+from tests.workers.manifests import store_job
 from tests.workers.test_decoding import save_tiny_model
 from workers import db, launcher, tasks
 from workers.celery_app import queue_for, visibility_timeout
@@ -311,35 +312,7 @@ def create_job(
     engine: Engine, model: Path, draft: Path, requests: list[Request], params: dict = PARAMS
 ) -> str:
     """Job, manifest and shard rows, written before anything is enqueued (as `submit` does)."""
-    n_shards = (len(requests) + SHARD_SIZE - 1) // SHARD_SIZE
-    job_id = db.insert_job(
-        engine,
-        input_path="prompts.jsonl",
-        model=str(model),
-        draft=str(draft),
-        mode="eagle2",
-        params=params,
-        n_expected=len(requests),
-        n_shards=n_shards,
-    )
-    db.insert_requests(
-        engine,
-        [
-            {"job_id": job_id, "sample_id": r.sample_id, "line_no": r.line_no,
-             "shard": (r.line_no - 1) // SHARD_SIZE, "payload": r.to_payload()}
-            for r in requests
-        ],
-    )  # fmt: skip
-    db.insert_shards(
-        engine,
-        [
-            {"job_id": job_id, "shard": s, "line_start": s * SHARD_SIZE + 1,
-             "line_end": min((s + 1) * SHARD_SIZE, len(requests)),
-             "n_samples": min(SHARD_SIZE, len(requests) - s * SHARD_SIZE)}
-            for s in range(n_shards)
-        ],
-    )  # fmt: skip
-    return job_id
+    return store_job(engine, requests, SHARD_SIZE, params, model=str(model), draft=str(draft))
 
 
 def prompt_file(n: int) -> list[Request]:
