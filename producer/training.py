@@ -78,6 +78,7 @@ class DraftTraining:
 
     @property
     def answering(self) -> AnswerSettings:
+        """How the target answers the training prompts."""
         return AnswerSettings(
             self.model,
             self.max_new_tokens,
