@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from producer.prompt_length import TokenCounter
 from producer.seen_ids import SeenIds
 from producer.validate import InvalidLine, Rejected, Request, quote, request_from_object
 from workers.request import completion_id
@@ -53,6 +54,7 @@ _PARQUET_COLUMNS = (
     "n",
 )
 _BOM = b"\xef\xbb\xbf"
+_CHECK_WINDOW = 256  # records validated together
 _JSON_SPACE = " \t\n\r"
 _scan_once = json.JSONDecoder().scan_once
 
@@ -67,7 +69,7 @@ def read_requests(
     path: str | os.PathLike[str],
     *,
     max_line_bytes: int = MAX_LINE_BYTES,
-    count_prompt_tokens: Callable[[Request], int] | None = None,
+    count_prompt_tokens: TokenCounter | None = None,
     max_context: int | None = None,
     system: str | None = None,
     n: int = 1,
@@ -76,10 +78,10 @@ def read_requests(
 
     A `.parquet` suffix reads Parquet (row numbers, from 1, stand for line numbers);
     anything else is JSONL. Blank lines are skipped and yield nothing. Pass
-    `count_prompt_tokens` with `max_context` to refuse prompts that leave no room to
-    generate; `system` to open every conversation without a system message with it; `n`
-    for the completions of a line that does not say. Arguments are checked now; the
-    file is opened on first iteration.
+    `count_prompt_tokens` (a batch counter: producer/prompt_length.py) with `max_context`
+    to refuse prompts that leave no room to generate; `system` to open every
+    conversation without a system message with it; `n` for the completions of a line
+    that does not say. Arguments are checked now; the file is opened on first iteration.
     """
     if max_line_bytes < 1:
         raise ValueError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
@@ -97,14 +99,16 @@ def read_requests(
 def _checked(
     records: Iterator[Record | Rejected], validator: Validator
 ) -> Iterator[Request | Rejected]:
-    check = validator.check
+    """The validator's verdicts, a window of records at a time (so the prompts that need
+    exact tokenizing are tokenized together)."""
     try:
+        window: list[Record | Rejected] = []
         for record in records:
-            if isinstance(record, Rejected):
-                yield record
-            else:
-                line_no, obj = record
-                yield check(obj, line_no)
+            window.append(record)
+            if len(window) == _CHECK_WINDOW:
+                yield from validator.check_many(window)
+                window = []
+        yield from validator.check_many(window)
     finally:
         validator.close()
 
@@ -263,6 +267,29 @@ def json_objects(path: Path, error: Callable[[str], Exception]) -> Iterator[tupl
                 raise error(f"{path}:{line_no}: not JSON ({exc.msg})") from None
 
 
+def _ids(request: Request) -> list[str]:
+    """The line's sample id, and with n > 1 those of its completions."""
+    if request.n == 1:
+        return [request.sample_id]
+    return [request.sample_id, *(completion_id(request.sample_id, k) for k in range(request.n))]
+
+
+def _window_counts(
+    parsed: list[Request | Rejected], ids: dict[int, list[str]], count: TokenCounter
+) -> dict[int, int]:
+    """Prompt tokens by position, from one call to the counter. A request naming an id
+    that an earlier line of the window names is left out: whether it is a duplicate
+    depends on that line's fate, so `_admit` counts it only if it gets that far."""
+    named: set[str] = set()
+    candidates = []
+    for i, taken in ids.items():
+        if named.isdisjoint(taken):
+            candidates.append(i)
+        named.update(taken)
+    counted = count([parsed[i] for i in candidates])
+    return dict(zip(candidates, counted, strict=True))
+
+
 class Validator:
     """Checks records of one file in order. Stateful: it remembers the id of every
     accepted request and of its completions (producer/seen_ids.py: on disk for a large
@@ -277,7 +304,7 @@ class Validator:
     def __init__(
         self,
         *,
-        count_prompt_tokens: Callable[[Request], int] | None = None,
+        count_prompt_tokens: TokenCounter | None = None,
         max_context: int | None = None,
         system: str | None = None,
         n: int = 1,
@@ -286,25 +313,40 @@ class Validator:
             raise ValueError("count_prompt_tokens and max_context go together")
         if max_context is not None and max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {max_context}")
-        self._context_check: tuple[Callable[[Request], int], int] | None = None
-        if count_prompt_tokens is not None and max_context is not None:
-            self._context_check = (count_prompt_tokens, max_context)
+        self._count, self._max_context = count_prompt_tokens, max_context
         self._seen = SeenIds()
         self._system = {"role": "system", "content": system} if system is not None else None
         self._n = n
 
-    def check(self, obj: object, line_no: int) -> Request | Rejected:
-        """The Request for this record, or why it is refused."""
+    def check_many(self, records: list[Record | Rejected]) -> list[Request | Rejected]:
+        """The Request for each record, or why it is refused, in order; a Rejected record
+        stays as it is.
+
+        The decisions are those of checking one record after another: a line's ids are
+        refused when an earlier accepted line took them, and a prompt too long for the
+        context is refused without taking them. Only the counting is batched.
+        """
+        parsed = [r if isinstance(r, Rejected) else self._parse(*r) for r in records]
+        ids = {i: _ids(r) for i, r in enumerate(parsed) if not isinstance(r, Rejected)}
+        counts = _window_counts(parsed, ids, self._count) if self._count is not None else {}
+        return [
+            self._admit(item, ids[i], counts.get(i)) if i in ids else item
+            for i, item in enumerate(parsed)
+        ]
+
+    def _parse(self, line_no: int, obj: object) -> Request | Rejected:
         try:
             request = request_from_object(obj, line_no, self._n)
         except InvalidLine as exc:
             return Rejected(line_no, exc.sample_id, str(exc))
         if self._system is not None and request.messages[0]["role"] != "system":
             request = replace(request, messages=[dict(self._system), *request.messages])
-        sample_id = request.sample_id
-        ids = [sample_id]  # the line's, and with n > 1 those of its completions
-        if request.n > 1:
-            ids += [completion_id(sample_id, k) for k in range(request.n)]
+        return request
+
+    def _admit(self, request: Request, ids: list[str], n_tokens: int | None) -> Request | Rejected:
+        """The request unless an id of it is taken or its prompt leaves no room to
+        generate (`n_tokens`: its count, None when not counted yet)."""
+        line_no, sample_id = request.line_no, request.sample_id
         for taken in ids:
             first = self._seen.first_line(taken)
             if first is not None:
@@ -313,15 +355,15 @@ class Validator:
                     sample_id,
                     f"duplicate sample id {quote(taken)}: first used on line {first}",
                 )
-        if self._context_check is not None:
-            count_prompt_tokens, max_context = self._context_check
-            n_tokens = count_prompt_tokens(request)
-            if n_tokens >= max_context:
+        if self._count is not None and self._max_context is not None:
+            if n_tokens is None:  # its ids were named earlier in the window: decided now
+                n_tokens = self._count([request])[0]
+            if n_tokens >= self._max_context:
                 return Rejected(
                     line_no,
                     sample_id,
-                    f"prompt is {n_tokens} tokens; the model's context is {max_context} "
-                    "tokens, which leaves no room to generate",
+                    f"prompt is {n_tokens} tokens; the model's context is "
+                    f"{self._max_context} tokens, which leaves no room to generate",
                 )
         self._seen.add(ids, line_no)
         return request

@@ -7,7 +7,7 @@ the manifest is producer/manifest.py.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,7 +23,7 @@ from eagle2_core.registry import (
     resolve_model,
 )
 from producer.inputs import Request
-from producer.prompt_length import prompt_token_counter
+from producer.prompt_length import TokenCounter, prompt_token_counter
 from producer.validate import completions_count, stop_strings
 from workers.schema import (
     SHARD_STATES,
@@ -32,7 +32,7 @@ from workers.schema import (
     shards_t,
 )
 
-ContextCheck = tuple[Callable[[Request], int], int]
+ContextCheck = tuple[TokenCounter, int]
 
 
 class JobError(Exception):

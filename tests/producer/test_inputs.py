@@ -500,9 +500,9 @@ def test_duplicate_ids_name_the_first_line(tmp_path: Path) -> None:
 def test_prompts_too_long_for_the_context(tmp_path: Path) -> None:
     counted: list[str] = []
 
-    def count_prompt_tokens(request: Request) -> int:
-        counted.append(request.sample_id)
-        return sum(len(m["content"]) for m in request.messages)
+    def count_prompt_tokens(requests: list[Request]) -> list[int]:
+        counted.extend(r.sample_id for r in requests)
+        return [sum(len(m["content"]) for m in r.messages) for r in requests]
 
     path = write(
         tmp_path,
@@ -525,12 +525,32 @@ def test_prompts_too_long_for_the_context(tmp_path: Path) -> None:
     assert counted == ["fits", "full"], "only valid, non-duplicate lines are tokenized"
 
 
+def test_prompts_are_counted_a_window_at_a_time(tmp_path: Path) -> None:
+    """One counter call per window of lines; the decisions stay those of one line after
+    another: a line refused for its length does not take its id, so a later line may."""
+    calls: list[list[int]] = []
+
+    def count_prompt_tokens(requests: list[Request]) -> list[int]:
+        calls.append([r.line_no for r in requests])
+        return [sum(len(m["content"]) for m in r.messages) for r in requests]
+
+    lines = [{"id": "a", "prompt": "x" * 20}, {"id": "a", "prompt": "y"}]
+    lines += [{"id": f"q{i}", "prompt": "z"} for i in range(300)]
+    items = read(write(tmp_path, lines), count_prompt_tokens=count_prompt_tokens, max_context=10)
+    assert str(items[0]).startswith("line 1: prompt is 20 tokens")
+    assert isinstance(items[1], Request) and items[1].sample_id == "a"
+    assert all(isinstance(x, Request) for x in items[2:]) and len(items) == 302
+    # Line 2 names line 1's id: counted once line 1 is decided. Then the rest of the
+    # first window of 256 lines in the same call as line 1, and the last 46 together.
+    assert calls == [[1, *range(3, 257)], [2], list(range(257, 303))]
+
+
 def test_context_arguments_go_together(tmp_path: Path) -> None:
     path = write(tmp_path, [{"prompt": "x"}])
     with pytest.raises(ValueError, match="go together"):
         read_requests(path, max_context=10)
     with pytest.raises(ValueError, match="go together"):
-        read_requests(path, count_prompt_tokens=lambda r: 1)
+        read_requests(path, count_prompt_tokens=lambda requests: [1] * len(requests))
     with pytest.raises(ValueError, match="max_line_bytes"):
         read_requests(path, max_line_bytes=0)
 
