@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from eagle2_core.registry import encode_chat
+from eagle2_core.registry import encode_chats
 from workers.request import Request
 
 # Probe contents: plain, and with every character an escaping template filter changes.
@@ -44,17 +44,7 @@ def prompt_token_counter(tokenizer: Any, max_context: int) -> TokenCounter:
     requests no bound clears are tokenized in one batch encode."""
 
     def exact(requests: Sequence[Request]) -> list[int]:
-        if not requests:
-            return []
-        if not tokenizer.chat_template:
-            return [len(encode_chat(tokenizer, r.messages)) for r in requests]
-        encoded = tokenizer.apply_chat_template(
-            [r.messages for r in requests],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-        )
-        return [len(ids) for ids in encoded["input_ids"]]
+        return [len(ids) for ids in encode_chats(tokenizer, [r.messages for r in requests])]
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.normalizer is not None or not tokenizer.chat_template:

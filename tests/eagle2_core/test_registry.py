@@ -13,8 +13,11 @@ from eagle2_core.registry import (
     DraftUnavailableError,
     draft_label,
     draft_source,
+    encode_chat,
+    encode_chats,
     shipped_draft,
 )
+from tests.eagle2_core.tiny import tiny_tokenizer
 
 
 def test_the_default_alias_ships_a_head() -> None:
@@ -42,3 +45,14 @@ def test_draft_label_names_the_shipped_head_and_nothing_for_vanilla() -> None:
     assert draft_label(DEFAULT_MODEL, None, "eagle2") == f"shipped:{DEFAULT_MODEL}"
     assert draft_label(DEFAULT_MODEL, "/heads/mine", "eagle1") == "/heads/mine"
     assert draft_label(DEFAULT_MODEL, None, "vanilla") is None
+
+
+@pytest.mark.parametrize(
+    "template", [None, "{% for m in messages %}{{ m['content'] }} {% endfor %}t2"]
+)
+def test_encode_chats_is_encode_chat_of_each(template: str | None) -> None:
+    tokenizer = tiny_tokenizer(96)
+    tokenizer.chat_template = template
+    chats = [[{"role": "user", "content": "t5 t6"}], [{"role": "user", "content": "t7"}] * 3]
+    assert encode_chats(tokenizer, chats) == [encode_chat(tokenizer, m) for m in chats]
+    assert encode_chats(tokenizer, []) == []
