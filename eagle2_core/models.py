@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import BatchKV
-from eagle2_core.llama import LeanLlama
+from eagle2_core.llama import LeanLlama, forward
 from eagle2_core.registry import DEFAULT_MODEL, END_OF_TURN_TOKENS, ModelLoadError, resolve_model
 
 
@@ -117,21 +117,24 @@ def target_from_model(model: PreTrainedModel, tokenizer, name: str) -> Target:
 
 def final_hidden_states(target: Target, ids: torch.Tensor) -> torch.Tensor:
     """The final-norm hidden states [B, T, H] of whole sequences [B, T] under causal
-    attention, through transformers (training reads these as the head's features)."""
-    positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-    out = target.model.model(input_ids=ids, position_ids=positions, use_cache=False)
-    return out.last_hidden_state
+    attention (training reads these as the head's features)."""
+    return layer_hidden_states(target, ids, ())[0]
 
 
 def layer_hidden_states(
     target: Target, ids: torch.Tensor, layers: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As final_hidden_states, plus the states entering the given layers, concatenated
-    [B, T, len(layers) * H] (transformers' hidden_states[i] is the input of layer i): an
-    EAGLE-3 head's features."""
-    positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-    out = target.model.model(
-        input_ids=ids, position_ids=positions, use_cache=False, output_hidden_states=True
-    )
-    captured = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-    return out.last_hidden_state, captured
+    [B, T, len(layers) * H] (None for no layers): an EAGLE-3 head's features.
+
+    Through the lean forward over a scratch cache (right padding needs no mask: a real
+    token never sees a later pad); on 2 CPU cores ~6% faster than transformers' forward
+    for the 4k-token batches feature extraction runs.
+    """
+    lean = target.lean
+    b, t = ids.shape
+    shape = (len(lean.layers), b, lean.shape.kv_heads, t, lean.shape.dim)
+    keys = torch.empty(shape, dtype=target.dtype, device=ids.device)
+    values = torch.empty_like(keys)
+    positions = torch.arange(t, device=ids.device).expand(b, -1)
+    return forward(lean, ids, positions, keys, values, 0, None, layers)

@@ -75,6 +75,7 @@ class DraftTraining:
     resume: bool
     arch: str = "eagle2"  # eagle2: the EAGLE-1/2 head; eagle3: fused layers + training-time test
     ttt_steps: int = 3  # eagle3: draft steps unrolled per batch
+    eagle3_features: bool = False  # store EAGLE-3 layer states even for an EAGLE-2 head
 
     @property
     def answering(self) -> AnswerSettings:
@@ -211,7 +212,7 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
         train_items, val_items = select_prompts(
             training.prompts, training.max_samples, training.val_samples
         )
-        if not train_items:
+        if not train_items and training.max_samples and not training.conversations:
             raise TrainingError(f"{training.prompts} has no training prompts")
     answers = {}
     if train_items or val_items:
@@ -231,15 +232,19 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
         val_convs += given_val
     if not train_convs:
         raise TrainingError(f"no training prompt got an answer; see {training.out / 'answers'}")
-    # an EAGLE-3 head reads the inputs of three target layers too: they go in shards of
-    # their own, so the EAGLE-2 shards of the same data stay valid
+    # an EAGLE-3 head reads the inputs of three target layers too; shards that hold them
+    # serve an EAGLE-2 head as well, so one extraction can feed both recipes
     eagle3 = training.arch == "eagle3"
-    layers = reference_layers(target.model.config.num_hidden_layers) if eagle3 else ()
-    features = training.out / ("features-eagle3" if eagle3 else "features")
+    layers = ()
+    if eagle3 or training.eagle3_features:
+        layers = reference_layers(target.model.config.num_hidden_layers)
+    features = training.out / "features"
     train_data = load_shards(
-        write_feature_shards(target, train_convs, features / "train", layers=layers)
+        write_feature_shards(target, train_convs, features / "train", layers=layers), eagle3
     )
-    val_data = load_shards(write_feature_shards(target, val_convs, features / "val", layers=layers))
+    val_data = load_shards(
+        write_feature_shards(target, val_convs, features / "val", layers=layers), eagle3
+    )
 
     config = TrainConfig(
         epochs=training.epochs,

@@ -88,7 +88,9 @@ def read_conversations(
     target: Target, path: Path, max_train: int, max_val: int, max_len: int
 ) -> tuple[list[Conversation], list[Conversation]]:
     """Hash-ordered training and validation conversations of a file with answers (as
-    select_prompts orders prompts: a larger pick keeps the smaller as its prefix)."""
+    select_prompts orders prompts: a larger pick keeps the smaller as its prefix). A line
+    whose `finish_reason` is `length` (an answer cut at a token cap, as in a job's
+    export) keeps its last answer open: no end-of-turn token the target never wrote."""
     from eagle2_core.train.data import conversation_from_messages, is_validation
 
     lines = []
@@ -105,7 +107,13 @@ def read_conversations(
 
     def convert(objs: list[dict]) -> list[Conversation]:
         made = (
-            conversation_from_messages(target.tokenizer, str(o["id"]), o["messages"], max_len)
+            conversation_from_messages(
+                target.tokenizer,
+                str(o["id"]),
+                o["messages"],
+                max_len,
+                closed=o.get("finish_reason") != "length",
+            )
             for o in objs
         )
         return [c for c in made if c is not None]

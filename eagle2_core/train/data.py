@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eagle2_core.models import Target, final_hidden_states, layer_hidden_states
@@ -104,7 +104,7 @@ def make_conversation(
 
 
 def conversation_from_messages(
-    tokenizer, sample_id: str, messages: list[dict], max_len: int
+    tokenizer, sample_id: str, messages: list[dict], max_len: int, closed: bool = True
 ) -> Conversation | None:
     """A whole conversation with its answers (assistant turns) as the loss's tokens, as
     decoding sees them: each answer tokenized after the chat template's prompt for the
@@ -127,7 +127,8 @@ def conversation_from_messages(
         mask += [False] * (len(prompt) - len(ids))
         ids = list(prompt)
         answer = list(tokenizer(message["content"], add_special_tokens=False)["input_ids"])
-        answer += [stop] if stop is not None else []
+        last = all(m.get("role") != "assistant" for m in messages[turn + 1 :])
+        answer += [stop] if stop is not None and (closed or not last) else []
         ids += answer
         mask += [True] * len(answer)
     ids, mask = ids[:max_len], mask[:max_len]
@@ -195,23 +196,25 @@ def batched_features(
     return [sequences[i] for i in range(len(conversations))]
 
 
-def _digest(conversations: Sequence[Conversation], model_name: str, layers: tuple[int, ...]) -> str:
-    """Identifies a shard's content, so a stale shard (other answers, other model, other
-    layers) is redone."""
+def _digest(conversations: Sequence[Conversation], model_name: str) -> str:
+    """Identifies a shard's conversations, so a stale shard (other answers, other model)
+    is redone."""
     h = hashlib.sha256(model_name.encode())
-    if layers:
-        h.update(json.dumps(list(layers)).encode())
     for c in conversations:
         h.update(json.dumps([c.id, c.ids, c.answer_mask]).encode())
     return h.hexdigest()
 
 
-def _shard_digest(path: Path) -> str | None:
+def _shard_holds(path: Path, digest: str, layers: tuple[int, ...]) -> bool:
+    """Whether the shard on disk holds these conversations with at least the features
+    asked for: a shard with an EAGLE-3 head's layer states serves an EAGLE-2 head too."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("digest")
+            metadata = f.metadata() or {}
     except Exception:  # a torn or foreign file: treat as missing and rewrite it
-        return None
+        return False
+    stored = tuple(json.loads(metadata.get("layers", "[]")))
+    return metadata.get("digest") == digest and (not layers or stored == tuple(layers))
 
 
 def write_feature_shards(
@@ -226,10 +229,12 @@ def write_feature_shards(
     """Extract features for every conversation into shard files; skips up-to-date shards.
     layers: also store the states entering these target layers (an EAGLE-3 head's inputs).
 
-    Shard i holds conversations [i*shard_size, (i+1)*shard_size). Conversations of similar
-    length share a forward of at most batch_tokens padded tokens (one at a time is
-    launch-bound on a GPU). Files are written to a temporary name and renamed, so a shard
-    on disk is always whole.
+    Shard i holds conversations [i*shard_size, (i+1)*shard_size), in order, so a prefix
+    of the shards is a prefix of the data. Conversations of similar length share a
+    forward of at most batch_tokens padded tokens (one at a time is launch-bound on a
+    GPU). Files are written to a temporary name and renamed, so a shard on disk is always
+    whole. A shard that already holds these conversations with the layer states of an
+    EAGLE-3 head is kept for an EAGLE-2 head (layers=()): one extraction serves both.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -238,7 +243,7 @@ def write_feature_shards(
     todo = [
         (path, chunk)
         for path, chunk in zip(paths, chunks, strict=True)
-        if _shard_digest(path) != _digest(chunk, target.name, layers)
+        if not _shard_holds(path, _digest(chunk, target.name), layers)
     ]
     bar = tqdm(
         total=sum(len(c.ids) for _, chunk in todo for c in chunk),
@@ -249,7 +254,7 @@ def write_feature_shards(
     )  # tokens, so the rate reads as the target's tokens/s
     for path, chunk in todo:
         sequences = batched_features(target, chunk, batch_tokens, bar.update, layers)
-        _save_shard(path, sequences, _digest(chunk, target.name, layers), [c.id for c in chunk])
+        _save_shard(path, sequences, _digest(chunk, target.name), [c.id for c in chunk], layers)
     bar.close()
     for stale in set(directory.glob(SHARD_GLOB)) - set(paths):
         stale.unlink()  # left by an earlier run over more conversations
@@ -257,7 +262,11 @@ def write_feature_shards(
 
 
 def _save_shard(
-    path: Path, sequences: Sequence[FeatureSequence], digest: str, ids: list[str]
+    path: Path,
+    sequences: Sequence[FeatureSequence],
+    digest: str,
+    ids: list[str],
+    layers: tuple[int, ...],
 ) -> None:
     tensors = {
         "input_ids": torch.cat([s.input_ids for s in sequences]),
@@ -267,7 +276,7 @@ def _save_shard(
     }
     if sequences[0].layer_states is not None:
         tensors["layer_states"] = torch.cat([s.layer_states for s in sequences]).contiguous()
-    metadata = {"digest": digest, "ids": json.dumps(ids)}
+    metadata = {"digest": digest, "ids": json.dumps(ids), "layers": json.dumps(list(layers))}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -278,25 +287,45 @@ def _save_shard(
         raise
 
 
-def load_shards(paths: Iterable[str | Path]) -> list[FeatureSequence]:
-    """All conversations of the given shards, in order (features stay bf16 in memory)."""
-    sequences: list[FeatureSequence] = []
-    for path in paths:
-        shard = load_file(str(path))
-        lengths = shard["lengths"].tolist()
-        states = shard["layer_states"].split(lengths) if "layer_states" in shard else None
-        for i, (ids, feats, mask) in enumerate(
-            zip(
-                shard["input_ids"].split(lengths),
-                shard["features"].split(lengths),
-                shard["loss_mask"].split(lengths),
-                strict=True,
-            )
-        ):
-            sequences.append(
-                FeatureSequence(ids, feats, mask, states[i] if states is not None else None)
-            )
-    return sequences
+class ShardedSequences(Sequence[FeatureSequence]):
+    """The conversations of feature shards, read from disk one conversation at a time.
+
+    Millions of answer tokens are gigabytes of features (several times more with an
+    EAGLE-3 head's layer states), more than memory holds: each item is a slice of the
+    memory-mapped shard, read when a batch asks for it, so memory stays at a batch's size
+    and the page cache keeps what fits. layer_states are read only with with_layers.
+    """
+
+    def __init__(self, paths: Iterable[str | Path], with_layers: bool = False):
+        self._files = [safe_open(str(path), framework="pt") for path in paths]
+        self._with_layers = with_layers
+        self._index: list[tuple[int, int, int]] = []  # (file, start, end) per conversation
+        for number, f in enumerate(self._files):
+            if with_layers and "layer_states" not in f.keys():
+                raise ValueError(f"{paths} has no layer states: extract them for an EAGLE-3 head")
+            offsets = [0, *f.get_tensor("lengths").cumsum(0).tolist()]
+            self._index += [(number, a, b) for a, b in zip(offsets, offsets[1:], strict=False)]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        number, a, b = self._index[i]
+        f = self._files[number]
+        states = f.get_slice("layer_states")[a:b] if self._with_layers else None
+        return FeatureSequence(
+            f.get_slice("input_ids")[a:b],
+            f.get_slice("features")[a:b],
+            f.get_slice("loss_mask")[a:b],
+            states,
+        )
+
+
+def load_shards(paths: Iterable[str | Path], with_layers: bool = False) -> ShardedSequences:
+    """All conversations of the given shards, in order, read lazily (features stay bf16)."""
+    return ShardedSequences(list(paths), with_layers)
 
 
 def count_answer_tokens(sequences: Iterable[FeatureSequence]) -> int:

@@ -70,7 +70,11 @@ def _token_counts(text: str) -> list[int]:
     required=True,
 )
 @count_option(
-    "--max-samples", 512, "Training prompts to answer and learn from (a fixed hash-ordered pick)."
+    "--max-samples",
+    512,
+    "Training prompts to answer and learn from (a fixed hash-ordered pick); 0 with "
+    "--conversations: PROMPTS only give the validation answers.",
+    minimum=0,
 )
 @count_option(
     "--val-samples", 32, "Held-out validation prompts to answer and measure on.", minimum=0
@@ -157,6 +161,13 @@ def _token_counts(text: str) -> list[int]:
     3,
     "--arch eagle3: draft steps unrolled per batch (the reference uses 7; each costs a "
     "head forward).",
+)
+@click.option(
+    "--eagle3-features",
+    is_flag=True,
+    help="Store the layer states an EAGLE-3 head reads even when training an EAGLE-2 "
+    "head (about 4x the disk), so an --arch eagle3 run on the same data and OUT "
+    "reuses this feature extraction instead of redoing it.",
 )
 @click.option(
     "--resume",

@@ -110,6 +110,17 @@ def test_a_conversation_trains_on_every_answer_turn(target: Target) -> None:
         tokenizer.chat_template = None
 
 
+def test_an_answer_cut_at_a_length_cap_stays_open(target: Target) -> None:
+    tokenizer = target.tokenizer
+    tokenizer.chat_template = TURNS_TEMPLATE
+    try:
+        c = conversation_from_messages(tokenizer, "m", CONVERSATION, 100, closed=False)
+        # the earlier answer ended its turn; the last was cut: no end-of-turn after it
+        assert c.answer_ids == (7, 8, 1, 20)
+    finally:
+        tokenizer.chat_template = None
+
+
 def test_a_template_that_rewrites_history_restarts_at_the_turn(target: Target) -> None:
     # The plain fallback renders a turn without its end-of-turn token: not a prefix.
     c = conversation_from_messages(target.tokenizer, "m", CONVERSATION, 100)
@@ -182,6 +193,21 @@ def test_feature_shards_roundtrip_and_resume(
     changed = [*conversations[:4], Conversation.of("new", (5, 6), (7,))]
     write_feature_shards(target, changed, tmp_path, shard_size=2, progress=False)
     assert calls == ["new"]  # shards 0 and 1 are unchanged
+    # Shards holding an EAGLE-3 head's layer states serve an EAGLE-2 head as well, and
+    # are read lazily: only what an item asks for.
+    calls.clear()
+    layered = write_feature_shards(
+        target, changed, tmp_path, shard_size=2, progress=False, layers=(0, 1)
+    )
+    assert calls == [c.id for c in changed]  # the old shards hold no layer states
+    write_feature_shards(target, changed, tmp_path, shard_size=2, progress=False)
+    assert len(calls) == len(changed)  # nothing redone for the EAGLE-2 head
+    with_layers = load_shards(layered, with_layers=True)
+    assert with_layers[4].layer_states.shape == (3, 2 * target.hidden_size)
+    assert load_shards(layered)[4].layer_states is None
+    plain = write_feature_shards(target, changed[:1], tmp_path / "plain", progress=False)
+    with pytest.raises(ValueError, match="no layer states"):
+        load_shards(plain, with_layers=True)
     # Fewer conversations than before: the surplus shard is removed.
     write_feature_shards(target, changed[:2], tmp_path, shard_size=2, progress=False)
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["shard-00000.safetensors"]

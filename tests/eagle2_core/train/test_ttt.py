@@ -100,7 +100,7 @@ def test_training_an_eagle3_head_lowers_its_loss_and_it_drafts_exactly(
     shards = write_feature_shards(
         target, conversations, tmp_path / "f", progress=False, layers=head.layers_used
     )
-    data = load_shards(shards)
+    data = load_shards(shards, with_layers=True)
     assert data[0].layer_states.shape[-1] == 3 * target.hidden_size
     config = TrainConfig(epochs=6, batch_size=4, lr=3e-3, warmup_steps=3, ttt_steps=3)
     ids = head.vocab.ids
