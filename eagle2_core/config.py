@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("eagle2", "eagle1", "vanilla")
+# Number formats a target decodes in (precision.py): auto is bf16 where the device
+# multiplies it natively, fp32 elsewhere.
+DTYPES = ("auto", "fp32", "bf16")
 # Tokens a draft head proposes from (vocab.py): of SmolLM2's 49,152, the 8,192 most frequent
 # in its answers give the same tau as all of them (BENCHMARKS.md, "Draft vocabulary").
 DRAFT_VOCAB_SIZE = 8192

@@ -24,11 +24,13 @@ import torch.nn.functional as F
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    """fp32 on any CPU with oneDNN; bf16 only where oneDNN has a bf16 path (AVX-512 or
+    AVX-NE-CONVERT: it refuses to reorder a bf16 weight on an AVX2-only CPU)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 class Linear:

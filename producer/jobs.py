@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Engine, delete, select, update
 
-from eagle2_core.config import JOB_DECODE_KEYS, DecodeConfig
+from eagle2_core.config import DTYPES, JOB_DECODE_KEYS, DecodeConfig
 from eagle2_core.registry import (
     DraftUnavailableError,
     ModelLoadError,
@@ -56,13 +56,15 @@ class JobSpec:
     shard_size: int
     system: str | None = None  # opens every conversation that has no system message
     n: int = 1  # completions of a line that does not say
+    dtype: str = "auto"  # the number format workers decode in (auto: each device's best)
 
     def stored_params(self, **extra: Any) -> dict[str, Any]:
         """The job row's params: decode settings, the shard size, the job's system prompt,
-        its completions per line and any `extra` notes."""
+        its completions per line, its dtype and any `extra` notes."""
         system = {"system": self.system} if self.system is not None else {}
         n = {"n": self.n} if self.n != 1 else {}
-        return {**self.params, "shard_size": self.shard_size, **system, **n, **extra}
+        dtype = {"dtype": self.dtype} if self.dtype != "auto" else {}
+        return {**self.params, "shard_size": self.shard_size, **system, **n, **dtype, **extra}
 
     def greedy(self, request: Request) -> bool:
         """Whether the request decodes greedily (temperature 0), its own or the job's."""
@@ -84,6 +86,7 @@ def make_spec(
     shard_size: int,
     system: str | None = None,
     n: int = 1,
+    dtype: str = "auto",
     **params: Any,
 ) -> JobSpec:
     """Check the options together; raises JobError with the reason.
@@ -123,7 +126,9 @@ def make_spec(
         completions_count(n, "--n")
     except ValueError as exc:
         raise JobError(str(exc)) from None
-    return JobSpec(model, draft, mode, params, shard_size, system, n)
+    if dtype not in DTYPES:
+        raise JobError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return JobSpec(model, draft, mode, params, shard_size, system, n, dtype)
 
 
 def context_check(model: str) -> ContextCheck:

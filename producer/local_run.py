@@ -75,13 +75,12 @@ def unfinished_job(engine: Engine, input_path: Path, spec: JobSpec) -> dict[str,
 
 
 def _load_decoder(spec: JobSpec, device: str, batch_size: int | None) -> Any:
-    import torch
-
     from eagle2_core.draft import DraftCheckpointError
+    from eagle2_core.precision import resolve_dtype
     from eagle2_core.registry import DraftUnavailableError, ModelLoadError
     from workers.decoding import SampleDecoder
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = resolve_dtype(spec.dtype, device)
     try:
         return SampleDecoder.load(
             spec.model, spec.draft, spec.mode, device=device, dtype=dtype, batch_size=batch_size

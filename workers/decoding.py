@@ -26,6 +26,7 @@ from eagle2_core.engine import (
     seeded_generator,
 )
 from eagle2_core.models import Target, load_target
+from eagle2_core.precision import dtype_name
 from eagle2_core.registry import DraftUnavailableError, draft_label, draft_source, encode_chat
 from workers.request import Request
 
@@ -45,13 +46,14 @@ class RowOrigin:
     device: str | None = None
 
 
-def describe_device(device: torch.device | str) -> str:
-    """'cpu', or 'cuda:<i> <GPU name>' so rows tell which hardware produced them."""
+def describe_device(device: torch.device | str, dtype: torch.dtype) -> str:
+    """'cpu fp32', or 'cuda:<i> <GPU name> bf16': rows tell which hardware, in which
+    number format, produced them (bf16 greedy output can differ from fp32's)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return device.type
+        return f"{device.type} {dtype_name(dtype)}"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return f"cuda:{index} {torch.cuda.get_device_name(index)}"
+    return f"cuda:{index} {torch.cuda.get_device_name(index)} {dtype_name(dtype)}"
 
 
 def _sum_lists(lists: Sequence[Sequence[int]]) -> list[int]:
@@ -91,7 +93,7 @@ class SampleDecoder:
         self.model = model
         self.draft = draft if mode != "vanilla" else None
         self.mode = mode
-        self.device = device or describe_device(engine.target.device)
+        self.device = device or describe_device(engine.target.device, engine.target.dtype)
         self.batch_size = batch_size or DEFAULT_BATCH_SIZE
 
     @classmethod

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from workers.celery_app import WORKER_NAME_ENV, queue_for
-from workers.tasks import WORKER_BATCH_ENV, WORKER_DEVICE_ENV, WORKER_DRAFT_ENV, WORKER_MODEL_ENV
+from workers.tasks import (
+    WORKER_BATCH_ENV,
+    WORKER_DEVICE_ENV,
+    WORKER_DRAFT_ENV,
+    WORKER_DTYPE_ENV,
+    WORKER_MODEL_ENV,
+)
 
 # eagle2_core.models.DEFAULT_MODEL, repeated so this parent need not import torch
 # (tests/workers/test_worker_integration.py checks that the two agree).
@@ -108,6 +114,7 @@ def plan_workers(
     model: str | None = None,
     draft: str | None = None,
     batch_size: int | None = None,
+    dtype: str | None = None,
     queues: Sequence[str] = (),
     loglevel: str = "INFO",
     cpu_count: int | None = None,
@@ -127,6 +134,8 @@ def plan_workers(
         common[WORKER_DRAFT_ENV] = draft
     if batch_size:
         common[WORKER_BATCH_ENV] = str(batch_size)
+    if dtype:
+        common[WORKER_DTYPE_ENV] = dtype
     queues = list(queues) or [queue_for(common[WORKER_MODEL_ENV])]
     slots: list[tuple[str, dict[str, str]]]
     if gpus:

@@ -37,6 +37,7 @@ WORKER_MODEL_ENV = "EAGLE2_WORKER_MODEL"  # the one model this process serves
 WORKER_DRAFT_ENV = "EAGLE2_WORKER_DRAFT"  # this host's draft head, instead of the job's
 WORKER_DEVICE_ENV = "EAGLE2_WORKER_DEVICE"  # 'cuda' or 'cpu'
 WORKER_BATCH_ENV = "EAGLE2_WORKER_BATCH_SIZE"  # sequences at once (unset: DEFAULT_BATCH_SIZE)
+WORKER_DTYPE_ENV = "EAGLE2_WORKER_DTYPE"  # this host's dtype, instead of the job's
 
 
 class WrongModelError(RuntimeError):
@@ -49,7 +50,7 @@ class _ProcessState:
     engine: Engine | None = None
     model: str | None = None
     target: Target | None = None
-    decoder_key: tuple[str, str | None, str] | None = None
+    decoder_key: tuple[str, str | None, str, Any] | None = None
     decoder: SampleDecoder | None = None
 
 
@@ -69,18 +70,21 @@ def _db() -> Engine:
     return _state.engine
 
 
-def _device_and_dtype() -> tuple[str, Any]:
+def _device_and_dtype(job_dtype: str = "auto") -> tuple[str, Any]:
+    """This process's device, and the dtype it decodes in: the worker's --dtype, else the
+    job's, resolved on the device (auto: bf16 where native, eagle2_core/precision.py)."""
     import torch
 
+    from eagle2_core.precision import resolve_dtype
+
     device = os.environ.get(WORKER_DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
-    # bf16 on GPUs: half the memory, the native speed; fp32 on CPUs, where bf16 gains nothing.
-    return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return device, resolve_dtype(os.environ.get(WORKER_DTYPE_ENV) or job_dtype, device)
 
 
-def _load_target(model: str) -> Target:
+def _load_target(model: str, job_dtype: str = "auto") -> Target:
     from eagle2_core.models import load_target
 
-    device, dtype = _device_and_dtype()
+    device, dtype = _device_and_dtype(job_dtype)
     log.info("loading model %s on %s (%s)", model, device, dtype)
     target = load_target(model, dtype=dtype, device=device)
     _state.model, _state.target = model, target
@@ -142,13 +146,14 @@ def decoder_for(job: dict[str, Any]) -> SampleDecoder:
             f"{queue_for(job['model'])})"
         )
     draft = os.environ.get(WORKER_DRAFT_ENV) or job["draft"]
-    key = (job["model"], draft, job["mode"])
+    job_dtype = (job["params"] or {}).get("dtype", "auto")
+    device, dtype = _device_and_dtype(job_dtype)
+    key = (job["model"], draft, job["mode"], dtype)
     if _state.decoder is not None and _state.decoder_key == key:
         return _state.decoder
-    target = _state.target if _state.model == job["model"] else None
-    if target is None:
-        target = _load_target(job["model"])
-    device, dtype = _device_and_dtype()
+    target = _state.target
+    if target is None or _state.model != job["model"] or target.dtype != dtype:
+        target = _load_target(job["model"], job_dtype)
     batch_size = int(os.environ.get(WORKER_BATCH_ENV) or 0) or None
     decoder = SampleDecoder.load(
         job["model"],

@@ -12,7 +12,7 @@ import click
 
 from eagle2_core.config import AUTO
 from eagle2_core.registry import DEFAULT_MODEL
-from producer.cli.options import TREE_SIZE_HELP, TreeSize, choice_option
+from producer.cli.options import TREE_SIZE_HELP, TreeSize, dtype_option
 from producer.inputs import read_requests
 from producer.validate import Rejected
 
@@ -57,13 +57,7 @@ from producer.validate import Rejected
 @click.option(
     "--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N: where to decode."
 )
-@choice_option(
-    "--dtype",
-    ["fp32", "bf16"],
-    "fp32",
-    "Weights and activations: fp32 (greedy outputs match generate exactly) or bf16 "
-    "(a GPU's speed; ties and rounding may then differ between modes).",
-)
+@dtype_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def bench(
     dataset,
@@ -89,12 +83,11 @@ def bench(
 
         eagle2-batch bench --dataset ../shared/benchmarks/mt_bench/question.jsonl --limit 10
     """
-    import torch
-
     from eagle2_core.bench import BENCH_MODES, ENGINE_VANILLA, identical_outputs, run_bench
     from eagle2_core.config import DecodeConfig
     from eagle2_core.draft import DraftCheckpointError
     from eagle2_core.engine import load_engine
+    from eagle2_core.precision import dtype_name, resolve_dtype
     from eagle2_core.registry import DraftUnavailableError, ModelLoadError
 
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
@@ -113,7 +106,7 @@ def bench(
             model,
             draft,
             needs_draft=bool(speculative),
-            dtype=torch.float32 if dtype == "fp32" else torch.bfloat16,
+            dtype=resolve_dtype(dtype, device),
             device=device,
         )
     except (DraftUnavailableError, DraftCheckpointError, ModelLoadError) as exc:
@@ -147,7 +140,7 @@ def bench(
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "device": device,
-        "dtype": dtype,
+        "dtype": dtype_name(engine.target.dtype),
         "tree": {"top_k": top_k, "depth": depth, "total_tokens": total_tokens},
         "modes": rows,
     }

@@ -46,6 +46,7 @@ def spec_from_options(options: dict[str, Any]) -> JobSpec:
             stop=list(options["stop"]) or None,
             system=system,
             n=options["n"],
+            dtype=options["dtype"],
         )
     except JobError as exc:
         raise click.UsageError(str(exc)) from exc

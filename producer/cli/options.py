@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from eagle2_core.config import AUTO, MODES, DecodeConfig
+from eagle2_core.config import AUTO, DTYPES, MODES, DecodeConfig
 from eagle2_core.registry import DEFAULT_MODEL
 from producer.inputs import DEFAULT_SHARD_SIZE
 from producer.validate import MAX_SEED
@@ -86,6 +86,24 @@ url_option = click.option(
     help="Database URL (default: EAGLE2_DATABASE_URL, else the SQLite file in the output dir).",
 )
 
+DTYPE_HELP = (
+    "Number format of the target: bf16 halves the weights and is native on GPUs and on "
+    "CPUs with AMX or AVX512-BF16; fp32 is token-identical to transformers' generate. "
+    "auto: bf16 where native, else fp32 (README, 'Precision', says what each promises)."
+)
+
+
+def dtype_option(default: str | None = "auto", help: str = DTYPE_HELP) -> Decorator:
+    """--dtype auto|fp32|bf16."""
+    return click.option(
+        "--dtype",
+        type=click.Choice(DTYPES),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
 # The job commands: the database, whose default follows --out where a command has one.
 db_url_option = click.option(
     "--db-url",
@@ -141,6 +159,9 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--max-new-tokens",
             _DEFAULTS.max_new_tokens,
             "Tokens to generate per answer (a line's max_tokens overrides it).",
+        ),
+        dtype_option(
+            help=DTYPE_HELP + " Stored with the job: its workers follow it on their devices."
         ),
         click.option(
             "--temperature",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from eagle2_core.config import DEFAULT_BATCH_SIZE
+from producer.cli.options import DTYPE_HELP, dtype_option
 from workers.launcher import (
     CONCURRENCY_NOTE,
     LaunchError,
@@ -49,6 +50,10 @@ from workers.launcher import (
     default=None,
     help=f"Samples each process decodes at once (default: {DEFAULT_BATCH_SIZE}).",
 )
+@dtype_option(
+    default=None,
+    help=DTYPE_HELP + " Default: each job's own --dtype; given here, it wins for this host.",
+)
 @click.option(
     "--hostname",
     default=None,
@@ -68,6 +73,7 @@ def worker(
     model: str | None,
     draft: str | None,
     batch_size: int | None,
+    dtype: str | None,
     hostname: str | None,
     loglevel: str,
     concurrency_note: bool,
@@ -99,6 +105,7 @@ def worker(
             model=model,
             draft=draft,
             batch_size=batch_size,
+            dtype=dtype,
             queues=[q.strip() for q in (queues or "").split(",") if q.strip()],
             loglevel=loglevel,
         )

@@ -104,10 +104,19 @@ def chi_square_p(counts: Counter, exact: dict, n: int) -> float:
 
 
 @pytest.mark.parametrize(
-    "temperature,top_p,wide", [(1.0, 1.0, False), (1.0, 1.0, True), (1.5, 0.95, True)]
+    "temperature,top_p,wide,dtype",
+    [
+        (1.0, 1.0, False, torch.float32),
+        (1.0, 1.0, True, torch.float32),
+        (1.5, 0.95, True, torch.float32),
+        # bf16: the oracle is the bf16 target's own distribution (transformers' forward in
+        # bf16); the acceptance rule keeps it whatever the verify pass rounds
+        (1.0, 1.0, False, torch.bfloat16),
+        (1.5, 0.95, True, torch.bfloat16),
+    ],
 )
-def test_eagle2_sampling_matches_target_distribution(temperature, top_p, wide):
-    target = tiny_target(vocab_size=VOCAB, eos=None, seed=11)
+def test_eagle2_sampling_matches_target_distribution(temperature, top_p, wide, dtype):
+    target = tiny_target(vocab_size=VOCAB, eos=None, seed=11, dtype=dtype)
     engine = Engine(target, tiny_head(target, seed=4))
     config = DecodeConfig(
         max_new_tokens=2, temperature=temperature, top_p=top_p, top_k=3, depth=2, total_tokens=8

@@ -35,6 +35,7 @@ def tiny_target(
     eos: int | None = 1,
     hidden: int = 64,
     layers: int = 2,
+    dtype: torch.dtype = torch.float32,
 ) -> Target:
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -51,7 +52,7 @@ def tiny_target(
         initializer_range=0.5,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config).eval().to(DEVICE)
+    model = LlamaForCausalLM(config).eval().to(DEVICE, dtype)
     model.generation_config.eos_token_id = eos
     return target_from_model(model, tiny_tokenizer(vocab_size, eos), "tiny-llama")
 

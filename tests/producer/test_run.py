@@ -152,6 +152,25 @@ def test_run_eagle2_with_a_draft_head(tiny: tuple[Path, Path], tmp_path: Path) -
     assert json.loads(meta[b"params"])["total_tokens"] == 8
 
 
+def test_run_in_bf16_is_stored_with_the_job_and_on_every_row(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, head = tiny
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 3, bad=False)
+    out = tmp_path / "out"
+    done = run_cli(
+        str(prompts), "--out", str(out), "--model", str(model), "--draft", str(head),
+        "--max-new-tokens", "5", "--total-tokens", "6", "--dtype", "bf16", cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip().splitlines()[-1]
+    table = read_job_parquet(out, job_id)
+    assert set(table.column("device").to_pylist()) == {"cpu bf16"}
+    assert set(table.column("status").to_pylist()) == {"ok"}
+    meta = pq.read_schema(next((out / f"job={job_id}").glob("*.parquet"))).metadata
+    assert json.loads(meta[b"params"])["dtype"] == "bf16"
+
+
 def test_auto_trees_measure_the_machine_once_and_say_so(
     tiny: tuple[Path, Path], tmp_path: Path
 ) -> None:

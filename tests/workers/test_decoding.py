@@ -186,7 +186,7 @@ def test_speculative_modes_refuse_to_run_without_a_draft(tmp_path):
             SampleDecoder.load(str(tmp_path / "not-loaded"), None, mode)  # refused before load
     vanilla = SampleDecoder(Engine(target), model="tiny", draft="ignored", mode="vanilla")
     row = decode(vanilla, request(), origin=RowOrigin("job1", 0, "w"))
-    assert row["status"] == "ok" and row["draft"] is None and row["device"] == "cpu"
+    assert row["status"] == "ok" and row["draft"] is None and row["device"] == "cpu fp32"
 
 
 def test_load_by_name_from_disk_and_random_head_warns(tmp_path, caplog):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 from sqlalchemy import Engine, func, select
 
 from eagle2_core import models
@@ -108,6 +109,29 @@ def test_plan_one_solo_worker_per_gpu():
     assert specs[0].env[tasks.WORKER_DRAFT_ENV] == "/d"
     assert specs[0].env[tasks.WORKER_DEVICE_ENV] == "cuda"
     assert specs[1].env[tasks.WORKER_BATCH_ENV] == "24"
+    assert tasks.WORKER_DTYPE_ENV not in specs[0].env  # each job's own dtype
+    (bf16,) = plan_workers(gpus=["0"], hostname="h", dtype="bf16")
+    assert bf16.env[tasks.WORKER_DTYPE_ENV] == "bf16"
+
+
+def test_a_worker_decodes_in_the_jobs_dtype_unless_the_host_sets_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir, _ = save_tiny_model(tmp_path)
+    monkeypatch.setattr(tasks, "_state", tasks._ProcessState())
+    monkeypatch.setenv(tasks.WORKER_DEVICE_ENV, "cpu")
+    monkeypatch.delenv(tasks.WORKER_DTYPE_ENV, raising=False)
+    monkeypatch.delenv(tasks.WORKER_MODEL_ENV, raising=False)
+    job = {"id": "j", "model": str(model_dir), "draft": None, "mode": "vanilla"}
+    bf16 = tasks.decoder_for({**job, "params": {"dtype": "bf16"}})
+    assert bf16.engine.target.dtype == torch.bfloat16 and bf16.device == "cpu bf16"
+    assert tasks.decoder_for({**job, "params": {"dtype": "bf16"}}) is bf16  # kept
+    fp32 = tasks.decoder_for({**job, "params": {"dtype": "fp32"}})  # the target reloaded
+    assert fp32.engine.target.dtype == torch.float32
+    monkeypatch.setenv(tasks.WORKER_DTYPE_ENV, "bf16")  # the host's --dtype wins
+    assert tasks.decoder_for({**job, "params": {"dtype": "fp32"}}).engine.target.dtype == (
+        torch.bfloat16
+    )
 
 
 def test_plan_cpu_workers_and_default_queue():
