@@ -24,7 +24,7 @@ from eagle2_core.registry import (
 )
 from producer.inputs import Request
 from producer.prompt_length import TokenCounter, prompt_token_counter
-from producer.validate import completions_count, stop_strings
+from producer.validate import MAX_ID_CHARS, completions_count, stop_strings, text_problem
 from workers.schema import (
     SHARD_STATES,
     jobs_t,
@@ -33,6 +33,8 @@ from workers.schema import (
 )
 
 ContextCheck = tuple[TokenCounter, int]
+# The jobs table's model and draft are String(255) columns, like the ids.
+MAX_NAME_CHARS = MAX_ID_CHARS
 
 
 class JobError(Exception):
@@ -70,6 +72,16 @@ class JobSpec:
         """Whether the request decodes greedily (temperature 0), its own or the job's."""
         temperature = request.overrides.get("temperature", self.params.get("temperature"))
         return not temperature
+
+
+def storable_option(value: str, option: str, max_chars: int | None = None) -> None:
+    """Raise JobError naming the option when its text cannot be stored with the job (a NUL,
+    a command-line byte that is not UTF-8, longer than its column)."""
+    problem = text_problem(value)
+    if problem is None and max_chars is not None and len(value) > max_chars:
+        problem = f"expected at most {max_chars} characters, got {len(value)}"
+    if problem is not None:
+        raise JobError(f"{option}: {problem}")
 
 
 def _local_or_name(name: str) -> str:
@@ -122,6 +134,13 @@ def make_spec(
         draft = _local_or_name(draft)
     if system is not None and not system.strip():
         raise JobError("--system: the system prompt is empty")
+    for option, value, limit in (
+        ("--model", model, MAX_NAME_CHARS),
+        ("--draft", draft, MAX_NAME_CHARS),
+        ("--system", system, None),
+    ):
+        if value is not None:
+            storable_option(value, option, limit)
     try:
         completions_count(n, "--n")
     except ValueError as exc:

@@ -31,7 +31,14 @@ from typing import Any
 from sqlalchemy import Engine
 
 from producer.inputs import Rejected, Request, Shard, plan_shards, read_requests
-from producer.jobs import ContextCheck, JobError, JobSpec, delete_job, input_fingerprint
+from producer.jobs import (
+    ContextCheck,
+    JobError,
+    JobSpec,
+    delete_job,
+    input_fingerprint,
+    storable_option,
+)
 from workers.bulk import Encoded, encode_rows, write_rows
 from workers.db import insert_job, insert_shards, update_job
 from workers.schema import rejected_lines_t, requests_t
@@ -150,6 +157,7 @@ def create_job(
     written at all.
     """
     input_path = Path(input_path).resolve()
+    storable_option(str(input_path), "INPUT")
     job_id = insert_job(
         engine,
         input_path=str(input_path),

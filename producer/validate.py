@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from workers.request import MAX_COMPLETIONS, Request
+from workers.request import MAX_COMPLETIONS, Request, completion_id
 
 ROLES = ("system", "user", "assistant")
 CHAT_COMPLETIONS_URL = "/v1/chat/completions"
@@ -94,26 +94,34 @@ def _describe(value: object) -> str:
     return type(value).__name__
 
 
-def _text(value: object, path: str, *, allow_empty: bool = False) -> str:
-    """A string field that can be stored: Postgres JSONB and text refuse NUL, and UTF-8
-    (every sink) refuses lone surrogates; either would fail a whole batch insert."""
-    if type(value) is not str or (not allow_empty and (not value or value.isspace())):
-        expected = "a string" if allow_empty else "a non-empty string"
-        raise InvalidLine(f'field "{path}": expected {expected}, got {_describe(value)}')
+def text_problem(value: str) -> str | None:
+    """Why `value` cannot be stored as text, None when it can. Postgres refuses NUL in text
+    and JSONB, and UTF-8 (every sink) refuses lone surrogates: either would fail a whole
+    batch insert. Every text a job stores from its user passes here first (line fields,
+    --stop, --system, model and input names)."""
     nul = value.find("\x00")
     if nul >= 0:
-        raise InvalidLine(
-            f'field "{path}": expected text without NUL (\\u0000), got one at character {nul + 1}'
-        )
+        return f"expected text without NUL (\\u0000), got one at character {nul + 1}"
     if not value.isascii():
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            # Only a JSON "\\udXXX" escape can get here; such text cannot be stored.
-            raise InvalidLine(
-                f'field "{path}": expected valid Unicode text, got a lone surrogate '
+            # A JSON "\\udXXX" escape or an undecodable command-line byte gets here.
+            return (
+                f"expected valid Unicode text, got a lone surrogate "
                 f"\\u{ord(value[exc.start]):04x} at character {exc.start + 1}"
-            ) from None
+            )
+    return None
+
+
+def _text(value: object, path: str, *, allow_empty: bool = False) -> str:
+    """A string field that can be stored (`text_problem`)."""
+    if type(value) is not str or (not allow_empty and (not value or value.isspace())):
+        expected = "a string" if allow_empty else "a non-empty string"
+        raise InvalidLine(f'field "{path}": expected {expected}, got {_describe(value)}')
+    problem = text_problem(value)
+    if problem is not None:
+        raise InvalidLine(f'field "{path}": {problem}')
     return value
 
 
@@ -148,6 +156,19 @@ def _sample_id(obj: dict[str, Any], line_no: int) -> tuple[str, str | None]:
             f'field "{key}": expected at most {MAX_ID_CHARS} characters, got {len(sample_id)}'
         )
     return sample_id, sample_id if key == "custom_id" else None
+
+
+def _check_completion_ids(obj: dict[str, Any], sample_id: str, n: int) -> None:
+    """A line of n > 1 completions stores each as "<id>#<k>": the longest of those ids
+    must fit the id columns, as the line's own id does."""
+    suffix = len(completion_id(sample_id, n - 1)) - len(sample_id)
+    if len(sample_id) + suffix > MAX_ID_CHARS:
+        key = next(name for name in _ID_FIELDS if obj.get(name) is not None)
+        raise InvalidLine(
+            f'field "{key}": expected at most {MAX_ID_CHARS - suffix} characters with n = {n} '
+            f'(its completion ids "<id>#0" to "<id>#{n - 1}" are stored, at most '
+            f"{MAX_ID_CHARS} characters each), got {len(sample_id)}"
+        )
 
 
 def _messages(value: object, path: str) -> list[dict[str, str]]:
@@ -212,9 +233,15 @@ def _openai_messages(obj: dict[str, Any]) -> list[dict[str, str]]:
     return _messages(body.get("messages", _MISSING), "body.messages")
 
 
-def stop_strings(value: object, what: str) -> list[str]:
-    """`stop` as OpenAI takes it (a string, or a list of up to 4) -> the list; raises
-    ValueError saying what was expected."""
+def _label(name: str) -> str:
+    """How an error names a line's field ('field "stop"') or a job's option ('--stop')."""
+    return name if name.startswith("--") else f'field "{name}"'
+
+
+def stop_strings(value: object, name: str) -> list[str]:
+    """`stop` as OpenAI takes it (a string, or a list of up to 4 storable texts) -> the
+    list; raises ValueError naming `name` (a field's path, or an option such as --stop)
+    and saying what was expected."""
     strings = [value] if isinstance(value, str) else value
     if (
         type(strings) is not list
@@ -222,9 +249,17 @@ def stop_strings(value: object, what: str) -> list[str]:
         or not all(isinstance(x, str) and x for x in strings)
     ):
         raise ValueError(
-            f"{what}: expected a non-empty string or a list of 1 to {MAX_STOP_STRINGS} "
+            f"{_label(name)}: expected a non-empty string or a list of 1 to {MAX_STOP_STRINGS} "
             f"non-empty strings, got {_describe(value)}"
         )
+    for i, text in enumerate(strings):
+        problem = text_problem(text)
+        if problem is not None:
+            if name.startswith("--"):  # the option given several times: which one
+                where = name if len(strings) == 1 else f"{name} #{i + 1}"
+            else:
+                where = name if isinstance(value, str) else f"{name}[{i}]"
+            raise ValueError(f"{_label(where)}: {problem}")
     return list(strings)
 
 
@@ -234,7 +269,7 @@ Override = int | float | list[str]
 def _override(name: str, path: str, value: object) -> Override:
     if name == "stop":
         try:
-            return stop_strings(value, f'field "{path}"')
+            return stop_strings(value, path)
         except ValueError as exc:
             raise InvalidLine(str(exc)) from None
     if name == "max_new_tokens":
@@ -372,6 +407,10 @@ def request_from_object(obj: object, line_no: int, default_n: int = 1) -> Reques
             else _overrides(obj, body)
         )
         n = _completions(obj, body) if "n" in obj or type(body) is dict else None
+        if n is None:
+            n = default_n
+        if n > 1:
+            _check_completion_ids(obj, sample_id, n)
         category = obj.get("category")
         if category is not None:
             category = _text(category, "category", allow_empty=True)
@@ -394,7 +433,7 @@ def request_from_object(obj: object, line_no: int, default_n: int = 1) -> Reques
         overrides=overrides,
         custom_id=custom_id,
         category=category,
-        n=default_n if n is None else n,
+        n=n,
         choice_index=0,
         request_id=None,
     )

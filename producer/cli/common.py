@@ -22,8 +22,16 @@ from producer.status import job_failure
 def _system(options: dict[str, Any]) -> str | None:
     if options["system"] is not None and options["system_file"] is not None:
         raise click.UsageError("give --system or --system-file, not both")
-    if options["system_file"] is not None:
-        return options["system_file"].read_text(encoding="utf-8")
+    path = options["system_file"]
+    if path is not None:
+        data = path.read_bytes()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise click.UsageError(
+                f"--system-file {path}: invalid UTF-8 at byte {exc.start + 1} "
+                f"(0x{data[exc.start]:02x})"
+            ) from None
     return options["system"]
 
 
