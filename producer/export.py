@@ -100,7 +100,9 @@ def _batches(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[st
 
 def _write_lines(path: Path, lines: Iterable[Mapping[str, Any]]) -> int:
     n = 0
-    with path.open("w", encoding="utf-8") as fh:
+    # A lone surrogate in an output (workers/stored_text.py) leaves json.dumps as it is;
+    # written as \\udXXX it is the JSON escape that reads back as that very character.
+    with path.open("w", encoding="utf-8", errors="backslashreplace") as fh:
         for line in lines:
             fh.write(json.dumps(line, ensure_ascii=False, default=_json_default) + "\n")
             n += 1

@@ -37,6 +37,7 @@ from workers.schema import (
     shards_t,
     utcnow,
 )
+from workers.stored_text import OUTPUT_FIELDS, stored_row, unstored_row
 
 # --------------------------------------------------------------------------- engine
 
@@ -76,8 +77,9 @@ def insert_samples(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
 
     Idempotent: a redelivered shard re-inserting its rows stores nothing twice.
     Every sample must already be in the manifest (`requests`), or the insert fails.
+    Outputs are stored exactly, whatever characters they hold (workers/stored_text.py).
     """
-    return insert_ignore(engine, samples_t, rows)
+    return insert_ignore(engine, samples_t, (stored_row(row) for row in rows))
 
 
 def insert_requests(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
@@ -331,9 +333,12 @@ def iter_samples(
     (Ordered by shard, line, completion: shards are line ranges, so this is input order.)
 
     Rows come from a server-side cursor on Postgres, so a large job is never held whole.
-    `columns` limits the fields read (stats needs no output text).
+    `columns` limits the fields read (stats needs no output text). Outputs come back as
+    the model wrote them (workers/stored_text.py).
     """
-    cols = [samples_t.c[name] for name in (columns or SAMPLE_FIELDS)]
+    names = columns or SAMPLE_FIELDS
+    cols = [samples_t.c[name] for name in names]
+    restore = unstored_row if not set(OUTPUT_FIELDS).isdisjoint(names) else dict
     stmt = select(*cols).where(samples_t.c.job_id == job_id)
     if shard is not None:
         stmt = stmt.where(samples_t.c.shard == shard)
@@ -341,4 +346,4 @@ def iter_samples(
     with engine.connect() as conn:
         result = conn.execution_options(yield_per=batch_size).execute(stmt).mappings()
         for row in result:
-            yield dict(row)
+            yield restore(row)

@@ -26,6 +26,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from workers.stored_text import stored_row
+
 _INT_LIST = pa.list_(pa.int64())
 
 # Field for field the samples table (workers.schema.SAMPLE_FIELDS), with its nullability.
@@ -97,8 +99,9 @@ def _package_version() -> str:
 def rows_to_table(
     rows: Iterable[Mapping[str, Any]], metadata: Mapping[str, Any] | None = None
 ) -> pa.Table:
-    """Output rows as a table with `SAMPLE_SCHEMA`; unknown keys are an error (typos)."""
-    rows = list(rows)
+    """Output rows as a table with `SAMPLE_SCHEMA`, their outputs in stored form
+    (workers/stored_text.py: Arrow holds no lone surrogate); unknown keys are an error."""
+    rows = [stored_row(row) for row in rows]
     known = set(SAMPLE_SCHEMA.names)
     for row in rows:
         unknown = row.keys() - known
@@ -154,7 +157,8 @@ def write_shard_parquet(
 
 
 def read_job_parquet(out_dir: str | os.PathLike[str], job_id: str) -> pa.Table:
-    """All shard files of a job as one table (file columns only, rows in shard order)."""
+    """All shard files of a job as one table (file columns only, rows in shard order),
+    outputs in stored form: `workers.stored_text.unstored_row` gives a row's as written."""
     path = job_dir(out_dir, job_id)
     if not path.is_dir():
         return SAMPLE_SCHEMA.empty_table()
