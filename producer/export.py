@@ -1,15 +1,15 @@
 """`eagle2-batch export`: a job's stored rows as JSONL, OpenAI Batch output, or Parquet.
 
 Rows are streamed from the database (`iter_samples`, a server-side cursor on Postgres)
-and written to a temporary file that is renamed at the end, so a large job is never held
-in memory and a reader never sees half an export.
+into a private temporary file beside the target, which replaces it at the end
+(workers/atomic_file.py), so a large job is never held in memory, a reader never sees
+half an export, and two exports to one path do not mix.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from itertools import groupby, islice
@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from sqlalchemy import Engine
 
 from producer.database import as_utc
+from workers.atomic_file import replacing
 from workers.db import get_job, iter_samples
 from workers.parquet_sink import SAMPLE_SCHEMA, encode_metadata, rows_to_table
 
@@ -102,7 +103,7 @@ def _write_lines(path: Path, lines: Iterable[Mapping[str, Any]]) -> int:
     n = 0
     # A lone surrogate in an output (workers/stored_text.py) leaves json.dumps as it is;
     # written as \\udXXX it is the JSON escape that reads back as that very character.
-    with path.open("w", encoding="utf-8", errors="backslashreplace") as fh:
+    with replacing(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
         for line in lines:
             fh.write(json.dumps(line, ensure_ascii=False, default=_json_default) + "\n")
             n += 1
@@ -112,7 +113,7 @@ def _write_lines(path: Path, lines: Iterable[Mapping[str, Any]]) -> int:
 def _write_parquet(path: Path, rows: Iterable[dict[str, Any]], metadata: dict[str, Any]) -> int:
     n = 0
     schema = SAMPLE_SCHEMA.with_metadata(encode_metadata(metadata))
-    with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+    with replacing(path) as fh, pq.ParquetWriter(fh, schema, compression="zstd") as writer:
         for batch in _batches(rows, _PARQUET_BATCH):
             writer.write_table(rows_to_table(batch))
             n += len(batch)
@@ -130,18 +131,10 @@ def export_job(engine: Engine, job_id: str, fmt: str, out: Path) -> int:
         raise KeyError(job_id)
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
     rows = iter_samples(engine, job_id)
-    try:
-        if fmt == "jsonl":
-            n = _write_lines(tmp, rows)
-        elif fmt == "openai":
-            n = _write_lines(tmp, (openai_line(group) for group in by_request(rows)))
-        else:
-            meta = {k: job[k] for k in ("model", "draft", "mode", "params")}
-            n = _write_parquet(tmp, rows, {"job_id": job_id, **meta})
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return n
+    if fmt == "jsonl":
+        return _write_lines(out, rows)
+    if fmt == "openai":
+        return _write_lines(out, (openai_line(group) for group in by_request(rows)))
+    meta = {k: job[k] for k in ("model", "draft", "mode", "params")}
+    return _write_parquet(out, rows, {"job_id": job_id, **meta})

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -26,6 +25,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from workers.atomic_file import replacing
 from workers.stored_text import stored_row
 
 _INT_LIST = pa.list_(pa.int64())
@@ -136,23 +136,15 @@ def write_shard_parquet(
     """Write one shard's rows to ``OUT/job=<id>/shard=<n>.parquet`` atomically; returns it.
 
     The file is written under a dot-prefixed temporary name in the same folder (which
-    dataset readers skip) and then `os.replace`d, so readers see the old file or the new
-    one, never half of one. `metadata` (model, draft, mode, tree params ...) is stored as
-    key-value metadata together with the package version.
+    dataset readers skip) and then replaces the old one (workers/atomic_file.py), so
+    readers see the old file or the new one, never half of one. `metadata` (model, draft,
+    mode, tree params ...) is stored as key-value metadata together with the package
+    version.
     """
     final = shard_path(out_dir, job_id, shard)
-    final.parent.mkdir(parents=True, exist_ok=True)
     table = rows_to_table(rows, {"job_id": job_id, "shard": int(shard), **metadata})
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            pq.write_table(table, fh, compression="zstd")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, final)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    with replacing(final) as fh:
+        pq.write_table(table, fh, compression="zstd")
     return final
 
 

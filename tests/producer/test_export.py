@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 
 import producer.export as export_module
@@ -154,3 +156,19 @@ def test_export_unknown_job_fails_and_writes_nothing(sqlite_url, tmp_path):
     )
     assert result.exit_code == 1 and "no job nope" in result.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_export_follows_no_symlink_at_its_old_temporary_name(
+    sqlite_url, make_job, fake_sample, tmp_path, fmt
+):
+    engine = db.make_engine(sqlite_url)
+    job_id, rows = make_job(engine, n=3)
+    db.insert_samples(engine, [fake_sample(r, random.Random(1)) for r in rows])
+    engine.dispose()
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    out = tmp_path / f"job.{fmt}"
+    os.symlink(victim, tmp_path / f".{out.name}.tmp")  # the name export used to write to
+    _export(sqlite_url, job_id, fmt, out, count=3)
+    assert victim.read_text() == "keep me"
