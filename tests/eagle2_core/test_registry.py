@@ -1,20 +1,30 @@
-"""Built-in names: which models come with a shipped draft head."""
+"""Built-in names: which models come with a shipped draft head; GGUF copies named for
+their content."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from eagle2_core import registry
+from eagle2_core.models import load_target
 from eagle2_core.registry import (
+    ALIASES,
     DEFAULT_MODEL,
     HEADS_DIR,
     RANDOM_DRAFT,
     DraftUnavailableError,
+    cache_root,
+    content_key,
     draft_label,
     draft_source,
     encode_chat,
     encode_chats,
+    resolve_model,
     shipped_draft,
 )
 from tests.eagle2_core.tiny import tiny_tokenizer
@@ -56,3 +66,57 @@ def test_encode_chats_is_encode_chat_of_each(template: str | None) -> None:
     chats = [[{"role": "user", "content": "t5 t6"}], [{"role": "user", "content": "t7"}] * 3]
     assert encode_chats(tokenizer, chats) == [encode_chat(tokenizer, m) for m in chats]
     assert encode_chats(tokenizer, []) == []
+
+
+def test_gguf_copies_are_named_for_their_content(tmp_path: Path, monkeypatch) -> None:
+    """Same file name and size in two folders, or a file rewritten in place: each content
+    has a cache entry of its own."""
+    monkeypatch.setenv("EAGLE2_CACHE_DIR", str(tmp_path / "cache"))
+    base, tune = tmp_path / "base" / "model.gguf", tmp_path / "tune" / "model.gguf"
+    for path, fill in ((base, b"a"), (tune, b"b")):
+        path.parent.mkdir()
+        path.write_bytes(fill * 4096)
+        entry = cache_root() / f"gguf-model-{content_key(path)}"
+        entry.mkdir(parents=True)
+        (entry / "config.json").write_text(path.parent.name)  # as if dequantised before
+    assert (resolve_model(str(base)) / "config.json").read_text() == "base"
+    assert (resolve_model(str(tune)) / "config.json").read_text() == "tune"
+    before, stat = content_key(tune), tune.stat()
+    tune.write_bytes(b"c" * 4096)  # replaced in place: same size, and the same mtime
+    os.utime(tune, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert content_key(tune) != before
+    assert content_key(tune) == content_key(tune)  # remembered, not re-read
+
+
+@pytest.mark.slow
+def test_a_second_gguf_of_the_same_name_and_size_decodes_with_its_own_weights(
+    tmp_path: Path,
+) -> None:
+    """Two copies of the default model's GGUF, one with its final norm's weights shuffled:
+    the same name and size in two folders. Each loads its own weights and writes its own
+    answer, whichever is dequantised first."""
+    import gguf
+    import numpy as np
+
+    source = registry._alias_dir(ALIASES[DEFAULT_MODEL]) / ALIASES[DEFAULT_MODEL].gguf_file
+    tensor = next(t for t in gguf.GGUFReader(source).tensors if t.name == "output_norm.weight")
+    original = np.array(tensor.data, dtype=np.float32)
+    shuffled = np.random.default_rng(0).permutation(original)
+    base, tune = tmp_path / "base" / source.name, tmp_path / "tune" / source.name
+    for path, weights in ((base, original), (tune, shuffled)):
+        path.parent.mkdir()
+        shutil.copyfile(source, path)
+        with path.open("r+b") as fh:
+            fh.seek(tensor.data_offset)
+            fh.write(weights.tobytes())
+    assert base.stat().st_size == tune.stat().st_size
+    answers = []
+    for path, weights in ((base, original), (tune, shuffled)):
+        target = load_target(str(path))
+        norm = target.model.model.norm.weight.detach().numpy()
+        assert np.array_equal(norm, weights)  # its own weights, not the other copy's
+        ids = encode_chat(target.tokenizer, [{"role": "user", "content": "Name a colour."}])
+        out = target.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        answers.append(out[0, len(ids) :].tolist())
+    assert answers[0] != answers[1]
+    assert resolve_model(str(base)) != resolve_model(str(tune))
