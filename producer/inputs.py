@@ -3,7 +3,8 @@
 A job's input can be millions of lines and single lines of many megabytes, so the
 file is never loaded whole: JSONL is read in binary one line at a time (a bounded
 `readline`, so even a gigabyte without a newline costs at most `max_line_bytes`),
-Parquet one record batch at a time. Every non-blank line yields exactly one
+Parquet one bounded record batch at a time, each row capped at `max_line_bytes` too
+(producer/parquet_input.py). Every non-blank line yields exactly one
 `Request` or one `Rejected`, in file order, so a bad line never stops a job.
 The rules for a record live in producer/validate.py.
 """
@@ -17,7 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from producer.prompt_length import TokenCounter
+from producer.parquet_input import InputFileError, parquet_records
+from producer.prompt_length import TokenCounter, TokensAtLeast
 from producer.seen_ids import SeenIds
 from producer.validate import InvalidLine, Rejected, Request, quote, request_from_object
 from workers.request import completion_id
@@ -40,29 +42,15 @@ MAX_LINE_BYTES = 16 * 1024 * 1024
 # Input lines per shard when a job does not say (the unit a worker takes, a resume redoes).
 DEFAULT_SHARD_SIZE = 100
 _SKIP_CHUNK = 1024 * 1024
-_PARQUET_BATCH_ROWS = 1024
-_PARQUET_CONTENT = ("prompt", "messages", "turns")
-_PARQUET_COLUMNS = (
-    "id",
-    *_PARQUET_CONTENT,
-    "category",
-    "max_new_tokens",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "n",
-)
 _BOM = b"\xef\xbb\xbf"
-_CHECK_WINDOW = 256  # records validated together
+# Records validated together: at most this many, and at most this many bytes of input (one
+# line at least), so the prompts awaiting their length check stay bounded whatever their size.
+_CHECK_WINDOW = 256
+_CHECK_WINDOW_BYTES = 16 * 1024 * 1024
 _JSON_SPACE = " \t\n\r"
 _scan_once = json.JSONDecoder().scan_once
 
-Record = tuple[int, Any]
-
-
-class InputFileError(Exception):
-    """The file as a whole cannot be read (not one bad line): say why in one line."""
+Record = tuple[int, Any, int]  # line (or row) number, parsed value, its size in bytes
 
 
 def read_requests(
@@ -77,7 +65,7 @@ def read_requests(
     """Stream `path` as Requests and Rejected lines, in file order.
 
     A `.parquet` suffix reads Parquet (row numbers, from 1, stand for line numbers);
-    anything else is JSONL. Blank lines are skipped and yield nothing. Pass
+    anything else is JSONL. `max_line_bytes` caps a JSONL line and a Parquet row alike. Blank lines are skipped and yield nothing. Pass
     `count_prompt_tokens` (a batch counter: producer/prompt_length.py) with `max_context`
     to refuse prompts that leave no room to generate; `system` to open every
     conversation without a system message with it; `n` for the completions of a line
@@ -90,7 +78,7 @@ def read_requests(
     )
     path = Path(path)
     if path.suffix.lower() == ".parquet":
-        records: Iterator[Record | Rejected] = _parquet_records(path)
+        records: Iterator[Record | Rejected] = parquet_records(path, max_line_bytes)
     else:
         records = _jsonl_records(path, max_line_bytes)
     return _checked(records, validator)
@@ -103,19 +91,21 @@ def _checked(
     exact tokenizing are tokenized together)."""
     try:
         window: list[Record | Rejected] = []
+        size = 0
         for record in records:
             window.append(record)
-            if len(window) == _CHECK_WINDOW:
+            size += 0 if isinstance(record, Rejected) else record[2]
+            if len(window) == _CHECK_WINDOW or size >= _CHECK_WINDOW_BYTES:
                 yield from validator.check_many(window)
-                window = []
+                window, size = [], 0
         yield from validator.check_many(window)
     finally:
         validator.close()
 
 
 def _jsonl_records(path: Path, max_line_bytes: int) -> Iterator[Record | Rejected]:
-    """(line number, parsed JSON) per non-blank line, or Rejected when the bytes are
-    not a JSON document (too long, invalid UTF-8, invalid JSON)."""
+    """(line number, parsed JSON, bytes) per non-blank line, or Rejected when the bytes
+    are not a JSON document (too long, invalid UTF-8, invalid JSON)."""
     with open(path, "rb") as stream:
         readline = stream.readline
         line_no = 0
@@ -138,7 +128,7 @@ def _jsonl_records(path: Path, max_line_bytes: int) -> Iterator[Record | Rejecte
                 )
                 continue
             try:
-                yield line_no, _loads(text)
+                yield line_no, _loads(text), len(raw)
             except json.JSONDecodeError as exc:
                 reason = f"invalid JSON: {exc.msg}: column {exc.colno}"
                 if raw[-1:] != b"\n":
@@ -175,29 +165,6 @@ def _skip_long_line(readline: Callable[[int], bytes], seen: int, max_line_bytes:
         total += len(chunk)
     length = total - (chunk[-1:] == b"\n")
     return f"line too long: {length} bytes, the limit is {max_line_bytes} (max_line_bytes)"
-
-
-def _parquet_records(path: Path) -> Iterator[Record]:
-    """(row number, row as a dict) per row, one record batch in memory at a time."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-        names = parquet.schema_arrow.names
-        if not any(name in names for name in _PARQUET_CONTENT):
-            raise InputFileError(
-                f'{path}: expected a "prompt" (string), "messages" (list of role/content '
-                f'structs) or "turns" (list of strings) column, found {names}'
-            )
-        columns = [name for name in _PARQUET_COLUMNS if name in names]
-        row_no = 0
-        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=columns):
-            for row in batch.to_pylist():
-                row_no += 1
-                yield row_no, row
-    except pa.ArrowException as exc:
-        raise InputFileError(f"{path}: not a readable Parquet file: {exc}") from exc
 
 
 def shard_of(line_no: int, shard_size: int) -> int:
@@ -326,7 +293,7 @@ class Validator:
         refused when an earlier accepted line took them, and a prompt too long for the
         context is refused without taking them. Only the counting is batched.
         """
-        parsed = [r if isinstance(r, Rejected) else self._parse(*r) for r in records]
+        parsed = [r if isinstance(r, Rejected) else self._parse(r[0], r[1]) for r in records]
         ids = {i: _ids(r) for i, r in enumerate(parsed) if not isinstance(r, Rejected)}
         counts = _window_counts(parsed, ids, self._count) if self._count is not None else {}
         return [
@@ -359,10 +326,11 @@ class Validator:
             if n_tokens is None:  # its ids were named earlier in the window: decided now
                 n_tokens = self._count([request])[0]
             if n_tokens >= self._max_context:
+                at_least = "at least " if isinstance(n_tokens, TokensAtLeast) else ""
                 return Rejected(
                     line_no,
                     sample_id,
-                    f"prompt is {n_tokens} tokens; the model's context is "
+                    f"prompt is {at_least}{n_tokens} tokens; the model's context is "
                     f"{self._max_context} tokens, which leaves no room to generate",
                 )
         self._seen.add(ids, line_no)

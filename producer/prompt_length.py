@@ -17,13 +17,21 @@ request passes exactly when the count would let it pass:
    rendered every time.
 
 Anything near the limit is tokenized exactly, many requests in one batch encode (the
-fast tokenizer encodes a batch on all cores).
+fast tokenizer encodes a batch on all cores) of at most EXACT_BATCH_BYTES of prompt text,
+so the memory the tokenizer takes is bounded by that (or by one line, max_line_bytes),
+not by the input. And what cannot fit is refused before any tokenizing:
+
+3. Tokens >= rendered bytes / the longest token's bytes, for a BPE without an unknown
+   token and without a normalizer (every token stands for bytes of the text it came
+   from). A bound at or above the context is returned as `TokensAtLeast`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from tokenizers.models import BPE
 
 from eagle2_core.registry import encode_chats
 from workers.request import Request
@@ -32,19 +40,65 @@ from workers.request import Request
 _PROBES = ("probe", 'q"u\\o\nte <b>&amp; ü ✓ \t {x}')
 # Role sequences remembered at most (a file has a handful; a hostile one cannot grow it).
 _MAX_SIGNATURES = 4096
+# Prompt text tokenized in one batch encode at most (a longer prompt goes alone): about
+# 100 bytes of tokenizer state a token, so some 50 MB.
+EXACT_BATCH_BYTES = 2 * 1024 * 1024
 
 Messages = list[dict[str, str]]
-# Prompt tokens of each request, or a bound on it below the context (see the module doc).
+# Prompt tokens of each request, or a bound on it: below the context, or at or above it
+# as TokensAtLeast (see the module doc).
 TokenCounter = Callable[[Sequence[Request]], list[int]]
+
+
+class TokensAtLeast(int):
+    """A lower bound on a prompt's tokens, at or above the context: refused uncounted."""
+
+
+def _text_bytes(request: Request) -> int:
+    return sum(len(m["content"].encode("utf-8")) for m in request.messages)
+
+
+def _batches(requests: Sequence[Request]) -> Iterator[list[int]]:
+    """Positions of `requests` in runs of at most EXACT_BATCH_BYTES of text (one at least)."""
+    batch: list[int] = []
+    size = 0
+    for i, request in enumerate(requests):
+        n = _text_bytes(request)
+        if batch and size + n > EXACT_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(i)
+        size += n
+    if batch:
+        yield batch
+
+
+def longest_token_bytes(tokenizer: Any) -> int | None:
+    """The most bytes of text one token can stand for, where that is bounded: a BPE with
+    no unknown token (a byte-level vocabulary) and no normalizer. A token's UTF-8 length
+    is at least the bytes it covers (a byte-level character is one byte, two in UTF-8)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    if not isinstance(backend.model, BPE) or backend.model.unk_token is not None:
+        return None
+    tokens = [*backend.get_vocab(with_added_tokens=False), *tokenizer.get_added_vocab()]
+    return max(len(token.encode("utf-8")) for token in tokens)
 
 
 def prompt_token_counter(tokenizer: Any, max_context: int) -> TokenCounter:
     """counts(requests): for each, len(encode_chat(tokenizer, messages)), or a bound on it
-    that is below `max_context` (so the length check decides as the count would). The
-    requests no bound clears are tokenized in one batch encode."""
+    that is below `max_context`, or a TokensAtLeast bound at or above it (so the length
+    check decides as the count would). The requests no bound decides are tokenized in
+    batch encodes of at most EXACT_BATCH_BYTES of text."""
 
     def exact(requests: Sequence[Request]) -> list[int]:
-        return [len(ids) for ids in encode_chats(tokenizer, [r.messages for r in requests])]
+        out = [0] * len(requests)
+        for batch in _batches(requests):
+            encoded = encode_chats(tokenizer, [requests[i].messages for i in batch])
+            for i, ids in zip(batch, encoded, strict=True):
+                out[i] = len(ids)
+        return out
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.normalizer is not None or not tokenizer.chat_template:
@@ -52,10 +106,19 @@ def prompt_token_counter(tokenizer: Any, max_context: int) -> TokenCounter:
     # Post-processor specials (BOS/EOS) and a prefix space some pre-tokenizers insert.
     slack = len(backend.encode("").ids) + 1
     template = TemplateBytes(tokenizer)
+    longest = longest_token_bytes(tokenizer)
 
     def counts(requests: Sequence[Request]) -> list[int]:
-        out = [template.rendered_bytes(r.messages) + slack for r in requests]
-        unsure = [i for i, bound in enumerate(out) if bound >= max_context]
+        rendered = [template.rendered_bytes(r.messages) for r in requests]
+        out = [n + slack for n in rendered]
+        unsure = []
+        for i, bound in enumerate(out):
+            if bound < max_context:
+                continue
+            if longest is not None and -(-rendered[i] // longest) >= max_context:
+                out[i] = TokensAtLeast(-(-rendered[i] // longest))
+            else:
+                unsure.append(i)
         for i, n in zip(unsure, exact([requests[i] for i in unsure]), strict=True):
             out[i] = n
         return out

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from producer import inputs
 from producer.inputs import (
     MAX_LINE_BYTES,
     InputFileError,
@@ -27,6 +28,7 @@ from producer.inputs import (
     read_requests,
     shard_of,
 )
+from producer.prompt_length import TokensAtLeast
 from producer.validate import MAX_ID_CHARS, InvalidLine, request_from_object
 from workers.request import MAX_COMPLETIONS
 
@@ -543,6 +545,37 @@ def test_prompts_are_counted_a_window_at_a_time(tmp_path: Path) -> None:
     # Line 2 names line 1's id: counted once line 1 is decided. Then the rest of the
     # first window of 256 lines in the same call as line 1, and the last 46 together.
     assert calls == [[1, *range(3, 257)], [2], list(range(257, 303))]
+
+
+def test_windows_are_bounded_in_bytes_as_well(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long prompts wait for their length check a few at a time, not 256 of them."""
+    monkeypatch.setattr(inputs, "_CHECK_WINDOW_BYTES", 10_000)
+    calls: list[list[int]] = []
+
+    def count_prompt_tokens(requests: list[Request]) -> list[int]:
+        calls.append([r.line_no for r in requests])
+        return [1] * len(requests)
+
+    lines = [{"id": f"q{i}", "prompt": "z" * (3000 if i < 10 else 10)} for i in range(40)]
+    items = read(write(tmp_path, lines), count_prompt_tokens=count_prompt_tokens, max_context=10)
+    assert all(isinstance(x, Request) for x in items) and len(items) == 40
+    # ~3 KB lines: a window closes once it reaches 10,000 bytes, at the fourth of them.
+    assert calls == [[1, 2, 3, 4], [5, 6, 7, 8], list(range(9, 41))]
+
+
+def test_a_lower_bound_refuses_and_says_so(tmp_path: Path) -> None:
+    def count_prompt_tokens(requests: list[Request]) -> list[int]:
+        return [TokensAtLeast(50) if r.sample_id == "huge" else 3 for r in requests]
+
+    lines = [{"id": "huge", "prompt": "x"}, {"id": "small", "prompt": "y"}]
+    items = read(write(tmp_path, lines), count_prompt_tokens=count_prompt_tokens, max_context=10)
+    assert str(items[0]) == (
+        "line 1: prompt is at least 50 tokens; the model's context is 10 tokens, "
+        "which leaves no room to generate"
+    )
+    assert isinstance(items[1], Request)
 
 
 def test_context_arguments_go_together(tmp_path: Path) -> None:

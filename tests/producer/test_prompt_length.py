@@ -1,5 +1,6 @@
 """The prompt-length check decides exactly as counting tokens would, without counting
-where a bound settles it: checked against a tiny tokenizer and the default model's."""
+where a bound settles it, and tokenizes in batches of bounded bytes: checked against a
+tiny tokenizer and the default model's."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ import pytest
 from tokenizers import normalizers
 from transformers import AutoTokenizer
 
-from eagle2_core.registry import encode_chat, resolve_model
-from producer.prompt_length import TemplateBytes, prompt_token_counter
+from eagle2_core.registry import encode_chat, encode_chats, resolve_model
+from producer import prompt_length
+from producer.prompt_length import (
+    TemplateBytes,
+    TokensAtLeast,
+    longest_token_bytes,
+    prompt_token_counter,
+)
 from tests.eagle2_core.tiny import tiny_target
 from tests.producer.test_jobs import CHAT_TEMPLATE
 from workers.request import Request
@@ -89,3 +96,62 @@ def test_prompt_counter_is_exact_for_tokenizers_with_a_normalizer(tiny_tokenizer
     count = prompt_token_counter(tiny_tokenizer, 10_000)
     messages = [{"role": "user", "content": "t5 t6 t7"}]
     assert count([request(messages)]) == [len(encode_chat(tiny_tokenizer, messages))] == [6]
+
+
+class SpyEncode:
+    """Calls the real encode_chats and records the text bytes of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def __call__(self, tokenizer, conversations):
+        self.calls.append([sum(len(m["content"].encode()) for m in c) for c in conversations])
+        return encode_chats(tokenizer, conversations)
+
+
+def long_conversations(rng: random.Random, n: int) -> list[list[dict[str, str]]]:
+    """Prompts of a few bytes to ~60 KB, so some are refused by bytes alone."""
+    words = [*WORDS, " " * 40, "-" * 30]
+    return [
+        [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(k))}]
+        for k in (int(rng.paretovariate(0.6)) for _ in range(n))
+    ]
+
+
+def test_exact_counts_go_in_batches_of_bounded_bytes(smollm_tokenizer, monkeypatch):
+    spy = SpyEncode()
+    monkeypatch.setattr(prompt_length, "encode_chats", spy)
+    monkeypatch.setattr(prompt_length, "EXACT_BATCH_BYTES", 2000)
+    cases = long_conversations(random.Random(1), 200)
+    exact = [len(encode_chat(smollm_tokenizer, m)) for m in cases]
+    counts = prompt_token_counter(smollm_tokenizer, 4)([request(m) for m in cases])
+    for got, want in zip(counts, exact, strict=True):
+        assert got == want or (isinstance(got, TokensAtLeast) and want >= got >= 4)
+    assert len(spy.calls) >= 3
+    for call in spy.calls:  # one prompt alone may be larger; never two beyond the bound
+        assert len(call) == 1 or sum(call) <= 2000
+
+
+@pytest.mark.parametrize("max_context", [16, 256, 8192])
+def test_what_cannot_fit_is_refused_before_tokenizing(smollm_tokenizer, monkeypatch, max_context):
+    spy = SpyEncode()
+    monkeypatch.setattr(prompt_length, "encode_chats", spy)
+    longest = longest_token_bytes(smollm_tokenizer)
+    cases = long_conversations(random.Random(max_context), 150)
+    cases.append([{"role": "user", "content": "t5 " * (max_context * longest // 3 + 1)}])
+    counts = prompt_token_counter(smollm_tokenizer, max_context)([request(m) for m in cases])
+    tokenized = sum(len(call) for call in spy.calls)
+    early = [i for i, n in enumerate(counts) if isinstance(n, TokensAtLeast)]
+    assert len(cases) - 1 in early and tokenized + len(early) <= len(cases)
+    for i, messages in enumerate(cases):
+        want = len(encode_chat(smollm_tokenizer, messages))
+        assert (counts[i] >= max_context) == (want >= max_context)  # the same decision
+        if i in early:
+            assert want >= counts[i] >= max_context  # a true lower bound
+
+
+def test_only_a_bpe_without_unknown_token_bounds_a_tokens_bytes(smollm_tokenizer, tiny_tokenizer):
+    longest = longest_token_bytes(smollm_tokenizer)
+    vocab = smollm_tokenizer.backend_tokenizer.get_vocab()
+    assert longest == max(len(token.encode()) for token in vocab)
+    assert longest_token_bytes(tiny_tokenizer) is None  # word-level: an unknown word is one
