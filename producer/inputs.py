@@ -65,11 +65,12 @@ def read_requests(
     """Stream `path` as Requests and Rejected lines, in file order.
 
     A `.parquet` suffix reads Parquet (row numbers, from 1, stand for line numbers);
-    anything else is JSONL. `max_line_bytes` caps a JSONL line and a Parquet row alike. Blank lines are skipped and yield nothing. Pass
-    `count_prompt_tokens` (a batch counter: producer/prompt_length.py) with `max_context`
-    to refuse prompts that leave no room to generate; `system` to open every
-    conversation without a system message with it; `n` for the completions of a line
-    that does not say. Arguments are checked now; the file is opened on first iteration.
+    anything else is JSONL. `max_line_bytes` caps a JSONL line and a Parquet row alike.
+    Blank lines are skipped and yield nothing. Pass `count_prompt_tokens` (a batch
+    counter: producer/prompt_length.py) with `max_context` to refuse prompts that leave
+    no room to generate; `system` to open every conversation without a system message
+    with it; `n` for the completions of a line that does not say. Arguments are checked
+    now; the file is opened on first iteration.
     """
     if max_line_bytes < 1:
         raise ValueError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
