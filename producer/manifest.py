@@ -1,6 +1,7 @@
 """A job's input as its manifest: one streaming pass that validates every line (the
-dry run's `plan_job`) and, for `create_job`, writes the manifest (expected samples),
-the rejected lines and the shard rows, in batches (COPY on Postgres: workers/bulk.py).
+dry run's `plan_job`) and, for `create_job`, writes the manifest (expected samples; the
+conversation of a request of n > 1 completions once, in `prompts`), the rejected lines
+and the shard rows, in batches (COPY on Postgres: workers/bulk.py).
 
 `create_job` parses in a second process while this one writes: reading and validating
 is Python on one core, the writes are the database's work on the other, and in one
@@ -41,7 +42,7 @@ from producer.jobs import (
 )
 from workers.bulk import Encoded, encode_rows, write_rows
 from workers.db import insert_job, insert_shards, update_job
-from workers.schema import rejected_lines_t, requests_t
+from workers.schema import prompts_t, rejected_lines_t, requests_t
 
 # How many rejected lines are quoted on stderr; all of them are stored.
 SHOWN_REJECTED = 10
@@ -50,10 +51,11 @@ SHOWN_REJECTED = 10
 _BATCH_ROWS = 5000
 
 _REQUEST_COLUMNS = ("job_id", "sample_id", "line_no", "shard", "payload")
+_PROMPT_COLUMNS = ("job_id", "request_id", "payload")
 _REJECTED_COLUMNS = ("job_id", "line_no", "sample_id", "reason")
 _json = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
 
-EncodedBatch = tuple[Encoded, Encoded, list[dict[str, Any]]]
+EncodedBatch = tuple[Encoded, Encoded, Encoded, list[dict[str, Any]]]
 
 
 @dataclass
@@ -259,6 +261,7 @@ class _Batch:
     def __init__(self, dialect: str, job_id: str) -> None:
         self.dialect, self.job_id = dialect, job_id
         self.requests: list[tuple[Any, ...]] = []
+        self.prompts: list[tuple[Any, ...]] = []
         self.rejected: list[tuple[Any, ...]] = []
         self.shards: list[dict[str, Any]] = []
 
@@ -266,10 +269,18 @@ class _Batch:
         return len(self.requests) + len(self.rejected)
 
     def add(self, shard: Shard, keep: list[Request]) -> None:
-        """One shard: the completions that run (`keep`), its rejected lines, its row."""
+        """One shard: the completions that run (`keep`), the conversation of each request
+        of several of them (once), its rejected lines, its row."""
         job_id = self.job_id
+        shared = {r.line_id for r in keep if r.n > 1}
+        self.prompts.extend(
+            (job_id, r.sample_id, _json(r.prompt_payload()))
+            for r in shard.requests
+            if r.sample_id in shared
+        )
         self.requests.extend(
-            (job_id, r.sample_id, r.line_no, shard.index, _json(r.to_payload())) for r in keep
+            (job_id, r.sample_id, r.line_no, shard.index, _json(r.to_payload(prompt=r.n == 1)))
+            for r in keep
         )
         self.rejected.extend((job_id, r.line_no, r.sample_id, r.reason) for r in shard.rejected)
         if keep:
@@ -286,14 +297,16 @@ class _Batch:
     def encoded(self) -> EncodedBatch:
         return (
             encode_rows(self.dialect, self.requests),
+            encode_rows(self.dialect, self.prompts),
             encode_rows(self.dialect, self.rejected),
             self.shards,
         )
 
 
 def _write_batch(engine: Engine, encoded: EncodedBatch) -> None:
-    requests, rejected, shards = encoded
+    requests, prompts, rejected, shards = encoded
     write_rows(engine, requests_t, _REQUEST_COLUMNS, requests)
+    write_rows(engine, prompts_t, _PROMPT_COLUMNS, prompts)
     write_rows(engine, rejected_lines_t, _REJECTED_COLUMNS, rejected)
     insert_shards(engine, shards)
 

@@ -31,6 +31,7 @@ from workers.schema import (
     SAMPLE_STATUSES,
     SHARD_STATES,
     jobs_t,
+    prompts_t,
     rejected_lines_t,
     requests_t,
     samples_t,
@@ -310,6 +311,8 @@ def pending_requests(engine: Engine, job_id: str, shard: int) -> list[dict[str, 
     """Manifest rows of one shard not yet stored, in line order: what a worker decodes.
 
     A redelivered shard thereby decodes only what its previous attempt did not store.
+    Completions whose conversation is stored once for their request (`prompts`) get it
+    back in their payload.
     """
     stmt = (
         _missing_requests_stmt(job_id)
@@ -317,7 +320,26 @@ def pending_requests(engine: Engine, job_id: str, shard: int) -> list[dict[str, 
         .order_by(requests_t.c.line_no, requests_t.c.sample_id)
     )
     with engine.connect() as conn:
-        return [dict(r) for r in conn.execute(stmt).mappings()]
+        rows = [dict(r) for r in conn.execute(stmt).mappings()]
+        shared = sorted(
+            {r["payload"].get("request_id") for r in rows if "messages" not in r["payload"]}
+            - {None}
+        )
+        prompts: dict[str, dict[str, Any]] = {}
+        for start in range(0, len(shared), 1000):
+            prompts.update(
+                conn.execute(
+                    select(prompts_t.c.request_id, prompts_t.c.payload).where(
+                        prompts_t.c.job_id == job_id,
+                        prompts_t.c.request_id.in_(shared[start : start + 1000]),
+                    )
+                ).all()
+            )
+    for row in rows:
+        prompt = prompts.get(row["payload"].get("request_id"))
+        if prompt is not None and "messages" not in row["payload"]:
+            row["payload"] = {**prompt, **row["payload"]}
+    return rows
 
 
 def iter_samples(

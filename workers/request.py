@@ -67,17 +67,22 @@ class Request:
             )
         return out
 
-    def to_payload(self) -> dict[str, Any]:
-        """A JSON-safe dict for the database (copies, never aliases). Fields at their
-        defaults are left out: a manifest holds millions of these, and `from_payload`
-        restores them."""
-        payload: dict[str, Any] = {
-            "sample_id": self.sample_id,
-            "line_no": self.line_no,
-            "messages": [dict(m) for m in self.messages],
-        }
+    def prompt_payload(self) -> dict[str, Any]:
+        """The conversation alone, JSON-safe: what the n completions of one request share,
+        stored once for all of them (workers/db.py's prompts table)."""
+        payload: dict[str, Any] = {"messages": [dict(m) for m in self.messages]}
         if self.followups:
             payload["followups"] = list(self.followups)
+        return payload
+
+    def to_payload(self, prompt: bool = True) -> dict[str, Any]:
+        """A JSON-safe dict for the database (copies, never aliases). Fields at their
+        defaults are left out: a manifest holds millions of these, and `from_payload`
+        restores them. Without `prompt` the conversation is left out too (it is stored
+        once per request: `prompt_payload`); `from_payload` then needs it merged in."""
+        payload: dict[str, Any] = {"sample_id": self.sample_id, "line_no": self.line_no}
+        if prompt:
+            payload.update(self.prompt_payload())
         if self.overrides:
             payload["overrides"] = dict(self.overrides)
         for name in ("custom_id", "category", "request_id"):

@@ -102,6 +102,17 @@ class Request(Base):
     payload: Mapped[dict[str, Any]] = mapped_column(JSONType)
 
 
+class Prompt(Base):
+    """The conversation of a request that asks for n > 1 completions, stored once: their
+    manifest rows leave it out (a 100 KB prompt asked for 128 times is 100 KB, not 12.8 MB)."""
+
+    __tablename__ = "prompts"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONType)
+
+
 class Shard(Base):
     """A deterministic range of input lines: the unit of work of one Celery task."""
 
@@ -196,6 +207,7 @@ class RejectedLine(Base):
 
 jobs_t: Table = Job.__table__  # type: ignore[assignment]
 requests_t: Table = Request.__table__  # type: ignore[assignment]
+prompts_t: Table = Prompt.__table__  # type: ignore[assignment]
 shards_t: Table = Shard.__table__  # type: ignore[assignment]
 samples_t: Table = Sample.__table__  # type: ignore[assignment]
 rejected_lines_t: Table = RejectedLine.__table__  # type: ignore[assignment]

@@ -15,7 +15,7 @@ from sqlalchemy import Engine, func, select
 
 from eagle2_core.draft import new_draft_head, save_draft
 from producer import jobs, manifest
-from producer.inputs import Request, shard_of
+from producer.inputs import Request, read_requests, shard_of
 from producer.jobs import JobError, make_spec
 from producer.manifest import create_job, plan_job
 from tests.eagle2_core.tiny import tiny_target
@@ -309,3 +309,41 @@ def test_a_job_system_prompt_opens_conversations_without_one(
     assert db.get_job(engine, job_id)["params"]["system"] == "Be brief."
     with pytest.raises(JobError, match="--system: the system prompt is empty"):
         make_spec(model=str(tiny_model), draft=None, mode="vanilla", shard_size=5, system=" ")
+
+
+def test_a_request_of_n_completions_stores_its_conversation_once(
+    engine: Engine, tiny_model: Path, tmp_path: Path
+) -> None:
+    words = _words(random.Random(2), 60)
+    lines = [
+        {"id": "many", "prompt": words, "n": 4},
+        {"id": "one", "prompt": "t5"},
+        {"id": "chat", "turns": ["t6 t7", "t8"], "n": 3},
+        {"id": "done", "prompt": "t9", "n": 2},  # every completion skipped: nothing stored
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    skip = {"many#0", "done#0", "done#1"}
+    context = jobs.context_check(str(tiny_model))
+    job_id, plan = create_job(engine, path, spec(tiny_model, 10), context, skip_ids=skip)
+    assert plan.completions == 3 + 1 + 3
+    prompts = {r["request_id"]: r["payload"] for r in _rows(engine, db.prompts_t, job_id)}
+    assert prompts == {
+        "many": {"messages": [{"role": "user", "content": words}]},
+        "chat": {"messages": [{"role": "user", "content": "t6 t7"}], "followups": ["t8"]},
+    }
+    manifest_rows = _rows(engine, db.requests_t, job_id)
+    for row in manifest_rows:
+        assert ("messages" in row["payload"]) == (row["sample_id"] == "one")
+        assert words not in json.dumps(row["payload"])  # the long prompt is stored once
+    # What a worker decodes: every completion with its whole conversation.
+    pending = db.pending_requests(engine, job_id, 0)
+    decoded = [Request.from_payload({**r["payload"], "sample_id": r["sample_id"]}) for r in pending]
+    read = [
+        c
+        for r in read_requests(path)
+        if isinstance(r, Request)
+        for c in r.completions()
+        if c.sample_id not in skip
+    ]
+    assert sorted(decoded, key=lambda r: r.sample_id) == sorted(read, key=lambda r: r.sample_id)
