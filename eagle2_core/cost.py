@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from eagle2_core.kv import BatchKV
+from eagle2_core.kv import RaggedKV
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.llama import forward
 from eagle2_core.models import Target
@@ -41,7 +41,7 @@ from eagle2_core.registry import cache_root
 
 log = logging.getLogger(__name__)
 
-COST_VERSION = 2
+COST_VERSION = 3
 STALE_DAYS = 14
 CONTEXT = 256  # context slots of the measured forwards
 LONG_CONTEXT = 1024  # second context, for key_ms
@@ -237,7 +237,7 @@ def measure(target: Target, head: LeanHead | None, max_batch: int, key: str = ""
     batches = _batch_grid(max_batch)
     widths = list(WIDTH_GRID)
 
-    caches: dict[tuple[int, int], BatchKV] = {}
+    caches: dict[tuple[int, int], RaggedKV] = {}
 
     def verify_run(b: int, n: int, context: int) -> Callable[[], object]:
         """A forward of n new tokens per row; one cache per (b, context) serves every n
@@ -252,10 +252,11 @@ def measure(target: Target, head: LeanHead | None, max_batch: int, key: str = ""
         ids = torch.randint(0, target.vocab_size, (b, n), device=device)
         positions = (context + torch.arange(n, device=device)).expand(b, n)
         chain = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(b, n, n)
+        start = kv.reserve_new(n)
         mask = kv.tree_mask(chain)
         keys, values = kv.layer_views()
         return lambda: target.lm_head(
-            forward(target.lean, ids, positions, keys, values, kv.slots, mask)[0]
+            forward(target.lean, ids, positions, keys, values, start, mask)[0]
         )
 
     points = [(b, n, CONTEXT) for b in batches for n in TREE_GRID if b * n <= MAX_TOKENS]

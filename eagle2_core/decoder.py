@@ -223,12 +223,16 @@ class BatchDecoder:
         self._drop_finished()
 
     def _draft_rows(self, caps: list[int]) -> TreeBatch:
-        """Each row's tree from its own drafter (the root alone without one)."""
+        """Each row's tree from its own drafter (the root alone without one). A batch of
+        plain decoding builds its roots at once: no per-row tree objects."""
+        if all(seq.drafter is None for seq in self.rows):
+            roots = torch.tensor([seq.output[-1] for seq in self.rows], device=self.target.device)
+            return roots_only(roots)
         return stack(
             [
                 seq.drafter.draft(seq.features, seq.next_tokens, seq.context_len, cap)
                 if seq.drafter is not None
-                else root_only(int(seq.next_tokens[-1]))
+                else root_only(seq.output[-1])
                 for seq, cap in zip(self.rows, caps, strict=True)
             ],
             self.target.device,
@@ -301,7 +305,7 @@ class BatchDecoder:
         for row, seq in enumerate(self.rows):
             n = step.lengths[row]
             seq.context_len += n
-            if self.dynamic is None:  # row by row: the row's own state
+            if self.dynamic is None and seq.drafter is not None:  # row by row: its own state
                 seq.features = step.features[row, :n]
                 seq.next_tokens = step.emitted[row, :n]
             if not seq.config.sampling.greedy:

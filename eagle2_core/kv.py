@@ -12,6 +12,8 @@ place is taken by the last row (one row copied, not the whole batch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Compact (move every row's tokens to the front) once the longest row fills less than this
@@ -61,17 +63,7 @@ class BatchKV:
 
     def _reserve(self, rows: int, slots: int) -> None:
         """Make room for `rows` rows of `slots` slots (doubling), keeping what is stored."""
-        _, row_cap, heads, slot_cap, dim = self.keys.shape
-        if rows <= row_cap and slots <= slot_cap:
-            return
-        new_rows = row_cap if rows <= row_cap else max(rows, 2 * row_cap)
-        new_slots = slot_cap if slots <= slot_cap else max(slots, 2 * slot_cap)
-        new_slots = -(-new_slots // _GROW) * _GROW
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            grown = old.new_zeros(old.shape[0], new_rows, heads, new_slots, dim)
-            grown[:, : self.rows, :, : self.slots] = old[:, : self.rows, :, : self.slots]
-            setattr(self, name, grown)
+        self.keys, self.values = _grown(self.keys, self.values, rows, slots, self.rows, self.slots)
 
     def reserve_new(self, n: int) -> int:
         """Room for n new slots per row after the current ones; returns where they start."""
@@ -99,15 +91,7 @@ class BatchKV:
     def remove_rows(self, rows: list[int]) -> list[int]:
         """Drop the listed rows; rows from the end move into their places. Returns the new
         order: new row i is old row order[i]."""
-        gone = set(rows)
-        keep = self.rows - len(gone)
-        holes = [r for r in sorted(gone) if r < keep]
-        movers = [r for r in range(keep, self.rows) if r not in gone]
-        order = list(range(keep))
-        for hole, mover in zip(holes, movers, strict=True):
-            self.keys[:, hole] = self.keys[:, mover]
-            self.values[:, hole] = self.values[:, mover]
-            order[hole] = mover
+        order = _fill_holes(self.keys, self.values, self.rows, rows)
         self.valid = self.valid[torch.tensor(order, dtype=torch.long, device=self.device)]
         self._trim()
         self._maybe_compact()
@@ -164,3 +148,154 @@ class BatchKV:
             rows = store[:, : self.rows]
             rows[:, :, :, :longest] = rows[:, :, :, : self.slots].gather(3, gather)
         self.valid = torch.arange(longest, device=self.device)[None] < lengths[:, None]
+
+
+def _grown(
+    keys: torch.Tensor, values: torch.Tensor, rows: int, slots: int, used_rows: int, used: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys and values with room for `rows` rows of `slots` slots (capacity doubles),
+    their first used_rows x used slots kept; the same tensors when they already fit."""
+    _, row_cap, heads, slot_cap, dim = keys.shape
+    if rows <= row_cap and slots <= slot_cap:
+        return keys, values
+    new_rows = row_cap if rows <= row_cap else max(rows, 2 * row_cap)
+    new_slots = slot_cap if slots <= slot_cap else max(slots, 2 * slot_cap)
+    new_slots = -(-new_slots // _GROW) * _GROW
+    out = []
+    for old in (keys, values):
+        grown = old.new_zeros(old.shape[0], new_rows, heads, new_slots, dim)
+        grown[:, :used_rows, :, :used] = old[:, :used_rows, :, :used]
+        out.append(grown)
+    return out[0], out[1]
+
+
+def _fill_holes(keys: torch.Tensor, values: torch.Tensor, rows: int, gone: list[int]) -> list[int]:
+    """Drop rows `gone` of the first `rows`: rows from the end move into their places (one
+    row copied per hole, not the batch). Returns the new order: new row i is old order[i]."""
+    dropped = set(gone)
+    keep = rows - len(dropped)
+    holes = [r for r in sorted(dropped) if r < keep]
+    movers = [r for r in range(keep, rows) if r not in dropped]
+    order = list(range(keep))
+    for hole, mover in zip(holes, movers, strict=True):
+        keys[:, hole] = keys[:, mover]
+        values[:, hole] = values[:, mover]
+        order[hole] = mover
+    return order
+
+
+@dataclass(frozen=True)
+class RowStarts:
+    """Where a forward writes each row's new entries: slots starts[b] .. starts[b] + n of
+    row b, and how many slots attention reads (span = the longest row + n)."""
+
+    starts: torch.Tensor  # [B]
+    span: int
+
+
+class RaggedKV:
+    """The target's cache: every row's committed entries fill its first lengths[b] slots,
+    no holes, whatever the other rows' lengths.
+
+    A forward writes each row's new tokens right after its own entries (RowStarts) and
+    attention reads only the longest row's slots, so rows of different lengths cost what
+    their padding to the longest costs, nothing more: no slots left behind by a
+    neighbour's longer prompt, no compaction copies. (BatchKV, with a shared write
+    position and holes, is what the one-layer draft head keeps: its tree expansions are
+    written after every row and thrown away each round.)
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (layers, 0, kv_heads, 0, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.lens: list[int] = []  # committed entries per row
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    @property
+    def rows(self) -> int:
+        return len(self.lens)
+
+    @property
+    def slots(self) -> int:
+        """Slots the longest row fills: what attention reads."""
+        return max(self.lens, default=0)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor(self.lens, dtype=torch.long, device=self.device)
+
+    def layer_views(self, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given rows (all active ones by default), as views that a
+        forward writes into."""
+        rows = rows if rows is not None else slice(0, self.rows)
+        return self.keys[:, rows], self.values[:, rows]
+
+    def add_row(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A new last row whose first `length` slots the caller fills (a prefill): returns
+        that row's key and value views [layers, 1, kv_heads, slots, head_dim]."""
+        self.keys, self.values = _grown(
+            self.keys, self.values, self.rows + 1, length, self.rows, self.slots
+        )
+        self.lens.append(length)
+        return self.layer_views(slice(self.rows - 1, self.rows))
+
+    def copy_prefix(self, source: int, row: int, length: int) -> None:
+        """Row `row`'s first `length` slots take row `source`'s entries (a shared prompt)."""
+        self.keys[:, row, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, row, :, :length] = self.values[:, source, :, :length]
+
+    def remove_rows(self, rows: list[int]) -> list[int]:
+        """Drop the listed rows; rows from the end move into their places. Returns the new
+        order: new row i is old row order[i]."""
+        order = _fill_holes(self.keys, self.values, self.rows, rows)
+        self.lens = [self.lens[i] for i in order]
+        return order
+
+    def reserve_new(self, n: int) -> RowStarts:
+        """Room for n new entries after each row's own; where a forward writes them."""
+        span = self.slots + n
+        self.keys, self.values = _grown(
+            self.keys, self.values, self.rows, span, self.rows, self.slots
+        )
+        return RowStarts(self.lengths, span)
+
+    def tree_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
+        """Bool mask [B, 1, N, span] for N new tokens per row, written after the row's own
+        entries: each sees those entries and, among the new ones, what ancestors [B, N, N]
+        allows (True = visible)."""
+        b, n, _ = ancestors.shape
+        lengths = self.lengths[:, None]
+        slots = torch.arange(self.slots + n, device=self.device)[None]
+        offset = slots - lengths  # [B, span]: which new token a slot holds, if any
+        new = (offset >= 0) & (offset < n)
+        index = offset.clamp(0, n - 1)[:, None, :].expand(b, n, offset.shape[1])
+        tree = ancestors.to(self.device).gather(2, index) & new[:, None, :]
+        return ((slots < lengths)[:, None, :] | tree)[:, None]
+
+    def commit(self, start: RowStarts, index: torch.Tensor, lengths: torch.Tensor) -> None:
+        """After a forward wrote N new entries per row at start, keep each row's first
+        lengths[b] of those listed in index [B, W] (offsets among the new entries): they
+        move to the row's next slots; the rest are dropped."""
+        width = index.shape[1]
+        index = index.to(self.device)
+        offsets = torch.arange(width, device=self.device)
+        if not bool((index == offsets).all()):
+            b, (layers, _, heads, _, dim) = self.rows, self.keys.shape
+            base = start.starts[:, None]
+            source = (base + index)[None, :, None, :, None].expand(layers, b, heads, width, dim)
+            target = (base + offsets)[None, :, None, :, None].expand(layers, b, heads, width, dim)
+            for store in (self.keys, self.values):
+                rows = store[:, :b]
+                rows.scatter_(3, target, rows.gather(3, source))
+        self.lens = [n + k for n, k in zip(self.lens, lengths.tolist(), strict=True)]

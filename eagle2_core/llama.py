@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from eagle2_core.kernels import Linear
+from eagle2_core.kv import RowStarts
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -115,25 +116,48 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+@dataclass(frozen=True)
+class Writes:
+    """Where a forward writes its new keys and values: slots start.. of every row (an int),
+    or each row's own slots (RaggedKV: scatter index [B, kv_heads, T, D]), and how many
+    slots attention then reads."""
+
+    start: int
+    index: torch.Tensor | None
+    span: int
+
+    @classmethod
+    def of(cls, start: int | RowStarts, b: int, t: int, shape: HeadShape, device) -> Writes:
+        if isinstance(start, int):
+            return cls(start, None, start + t)
+        slots = start.starts.to(device)[:, None] + torch.arange(t, device=device)[None]
+        index = slots[:, None, :, None].expand(b, shape.kv_heads, t, shape.dim)
+        return cls(0, index, start.span)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    start: int,
+    writes: Writes,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Write k, v [B, kv_heads, T, D] at slots start.. of the layer's cache [B, kv_heads, S, D]
-    and attend q [B, heads, T, D] over slots :start+T. mask [B, 1, T, start+T] bool (True =
-    visible); None = causal over a cache that holds nothing before start = 0."""
-    end = start + q.shape[2]
-    keys[:, :, start:end] = k
-    values[:, :, start:end] = v
+    """Write k, v [B, kv_heads, T, D] into the layer's cache [B, kv_heads, S, D] where
+    `writes` says and attend q [B, heads, T, D] over its first span slots. mask
+    [B, 1, T, span] bool (True = visible); None = causal over a cache that holds nothing
+    before slot 0."""
+    if writes.index is None:
+        keys[:, :, writes.start : writes.span] = k
+        values[:, :, writes.start : writes.span] = v
+    else:
+        keys.scatter_(2, writes.index, k)
+        values.scatter_(2, writes.index, v)
     return F.scaled_dot_product_attention(
         q,
-        keys[:, :, :end],
-        values[:, :, :end],
+        keys[:, :, : writes.span],
+        values[:, :, : writes.span],
         attn_mask=mask,
         is_causal=mask is None,
         enable_gqa=True,
@@ -154,12 +178,15 @@ def self_attention(
     angles: tuple[torch.Tensor, torch.Tensor],
     keys: torch.Tensor,
     values: torch.Tensor,
-    start: int,
+    writes: Writes | int,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """The attention block of x [B, T, H] (already normalised): one q|k|v product, RoPE on
-    q and k together, the cache write (see `attend`), the output projection."""
+    q and k together, the cache write (see `attend`; an int writes slots start..start+T
+    of every row), the output projection."""
     b, t, _ = x.shape
+    if isinstance(writes, int):
+        writes = Writes(writes, None, writes + t)
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.dim
     mixed = qkv(x)
     qk = rotate(mixed[..., : (heads + kv_heads) * dim].view(b, t, heads + kv_heads, dim), *angles)
@@ -170,7 +197,7 @@ def self_attention(
         v.transpose(1, 2),
         keys,
         values,
-        start,
+        writes,
         mask,
     )
     return o(out.transpose(1, 2).reshape(b, t, heads * dim))
@@ -187,7 +214,7 @@ def forward(
     positions: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    start: int,
+    start: int | RowStarts,
     mask: torch.Tensor | None = None,
     layers: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -196,10 +223,12 @@ def forward(
     an EAGLE-3 head's features).
 
     keys, values [layers, B, kv_heads, S, D] (`BatchKV.layer_views`): the new entries go to
-    slots start..start+T. mask: see `attend`.
+    slots start..start+T, or for a RaggedKV's RowStarts after each row's own entries.
+    mask: see `attend`.
     """
     x = F.embedding(ids, model.embed)
     angles = rope(model.rotary, x, positions)
+    writes = Writes.of(start, ids.shape[0], ids.shape[1], model.shape, ids.device)
     captured = {}
     for index, layer in enumerate(model.layers):
         if index in layers:
@@ -212,7 +241,7 @@ def forward(
             angles,
             keys[index],
             values[index],
-            start,
+            writes,
             mask,
         )
         x = x + mlp(rms_norm(x, layer.post_norm, model.eps), layer.gate_up, layer.down)

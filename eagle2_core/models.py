@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from eagle2_core.kernels import Linear
-from eagle2_core.kv import BatchKV
+from eagle2_core.kv import RaggedKV
 from eagle2_core.llama import LeanLlama, forward
 from eagle2_core.registry import DEFAULT_MODEL, END_OF_TURN_TOKENS, ModelLoadError, resolve_model
 
@@ -58,11 +58,11 @@ class Target:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
-    def kv(self) -> BatchKV:
-        """An empty KV cache for this model's layers."""
+    def kv(self) -> RaggedKV:
+        """An empty KV cache for this model's layers (each row's entries from its slot 0)."""
         lean = self.lean
         shape = lean.shape
-        return BatchKV(len(lean.layers), shape.kv_heads, shape.dim, self.dtype, self.device)
+        return RaggedKV(len(lean.layers), shape.kv_heads, shape.dim, self.dtype, self.device)
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:

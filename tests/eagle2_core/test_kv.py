@@ -1,10 +1,11 @@
-"""BatchKV bookkeeping on hand-made entries that name their row and token."""
+"""BatchKV (the draft head's) and RaggedKV (the target's) bookkeeping on hand-made entries
+that name their row and token."""
 
 from __future__ import annotations
 
 import torch
 
-from eagle2_core.kv import BatchKV
+from eagle2_core.kv import BatchKV, RaggedKV, RowStarts
 from eagle2_core.tree import DraftTree, stack
 
 
@@ -84,3 +85,82 @@ def test_tree_mask_hides_holes_and_other_branches():
     assert visible[0, :2].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]
     assert visible[0, 2, 3:].tolist() == [0, 0, 1]  # padding sees only itself among the new
     assert visible[1].tolist() == [[1, 0, 0, 1, 0, 0], [1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 0, 1]]
+
+
+# --------------------------------------------------------------------- RaggedKV (the target's)
+
+
+def new_ragged() -> RaggedKV:
+    return RaggedKV(2, 1, 1, torch.float32, "cpu")
+
+
+def write_rows(kv: RaggedKV, start: RowStarts, labels: list[list[float]]) -> None:
+    """What a forward does with RowStarts: row b's new entries after its own ones."""
+    keys, values = kv.layer_views()
+    for b, row in enumerate(labels):
+        at = int(start.starts[b])
+        for layer, offset in ((0, 0.0), (1, 100.0)):
+            new = torch.tensor(row) + offset
+            keys[layer, b, 0, at : at + len(row), 0] = new
+            values[layer, b, 0, at : at + len(row), 0] = -new
+
+
+def add_ragged(kv: RaggedKV, labels: list[float]) -> None:
+    keys, values = kv.add_row(len(labels))
+    write(keys, values, 0, [labels])
+
+
+def ragged_contents(kv: RaggedKV, layer: int = 0) -> list[list[float]]:
+    keys = kv.keys[layer, : kv.rows, 0, :, 0]
+    assert torch.equal(kv.values[layer, : kv.rows, 0, :, 0], -keys)
+    return [keys[b, :n].tolist() for b, n in enumerate(kv.lens)]
+
+
+def test_ragged_rows_write_after_their_own_entries_and_commit_their_own_nodes():
+    kv = new_ragged()
+    add_ragged(kv, [1, 2, 3, 4, 5, 6])
+    add_ragged(kv, [10, 11])
+    start = kv.reserve_new(3)
+    assert start.starts.tolist() == [6, 2] and start.span == 9  # no slot shared, no hole
+    write_rows(kv, start, [[7, 70, 8], [12, 120, 13]])
+    # Not a prefix: row 0 keeps nodes 0 and 2, row 1 node 1.
+    kv.commit(start, torch.tensor([[0, 2], [1, 0]]), torch.tensor([2, 1]))
+    assert ragged_contents(kv) == [[1, 2, 3, 4, 5, 6, 7, 8], [10, 11, 120]]
+    assert ragged_contents(kv, layer=1) == [
+        [101, 102, 103, 104, 105, 106, 107, 108],
+        [110, 111, 220],
+    ]
+    assert kv.lens == [8, 3] and kv.slots == 8
+    assert kv.remove_rows([0]) == [1]  # the long row finished: the short one moves up
+    assert ragged_contents(kv) == [[10, 11, 120]] and kv.slots == 3
+
+
+def test_ragged_storage_grows_and_removed_rows_are_filled_from_the_end():
+    kv = new_ragged()
+    for label in range(5):
+        add_ragged(kv, [label, label + 0.5])
+    assert kv.remove_rows([1, 4]) == [0, 3, 2]
+    assert ragged_contents(kv) == [[0, 0.5], [3, 3.5], [2, 2.5]]
+    add_ragged(kv, [9.0] * 70)  # longer than the capacity so far
+    for step in range(40):
+        start = kv.reserve_new(2)
+        write_rows(kv, start, [[step, -1]] * kv.rows)
+        kv.commit(start, torch.tensor([[0]] * kv.rows), torch.tensor([1] * kv.rows))
+    steps = [float(s) for s in range(40)]
+    assert ragged_contents(kv)[0] == [0, 0.5, *steps]
+    assert ragged_contents(kv)[3] == [9.0] * 70 + steps
+    assert kv.keys.shape[3] >= 112 and kv.keys.shape[3] % 64 == 0
+
+
+def test_ragged_tree_mask_sees_each_rows_own_entries_and_branch():
+    kv = new_ragged()
+    add_ragged(kv, [1, 2, 3])
+    add_ragged(kv, [9])
+    chain = DraftTree(torch.tensor([5, 6]), (-1, 0), torch.zeros(2))
+    fork = DraftTree(torch.tensor([5, 6, 7]), (-1, 0, 0), torch.zeros(3))
+    visible = kv.tree_mask(stack([chain, fork], "cpu").ancestors)[:, 0]
+    assert visible.shape == (2, 3, 3 + 3)  # the longest row + the new tokens
+    # row 0's new tokens sit at slots 3..5, row 1's at 1..3: right after their own
+    assert visible[0, :2].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]
+    assert visible[0, 2, 3:].tolist() == [0, 0, 1]  # padding sees only itself among the new
+    assert visible[1].tolist() == [[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0]]

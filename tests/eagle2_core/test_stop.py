@@ -7,6 +7,7 @@ import pytest
 
 from eagle2_core.config import DecodeConfig
 from eagle2_core.engine import Engine
+from eagle2_core.sequence import stop_window
 from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
 
 
@@ -72,3 +73,27 @@ def test_the_first_of_several_stop_strings_wins_and_batches_keep_their_own(targe
 def test_bad_stop_values_are_refused(bad) -> None:
     with pytest.raises(ValueError, match="stop must be"):
         DecodeConfig(stop=bad)
+
+
+def test_the_stop_check_decodes_a_tail_and_still_cuts_late(target, monkeypatch) -> None:
+    engine = Engine(target)
+    prompt = prompts(96, lengths=(5,))[0]
+    full = hf_greedy(target, prompt, 300)
+    for at in range(150, 298):  # a stop whose first occurrence is far beyond the window
+        stop = spanning_stop(target, full, at)
+        want_tokens, want_text = plain_stop(target, full, stop)
+        if len(want_tokens) > 150:
+            break
+    assert len(want_tokens) > 150
+    lengths: list[int] = []
+    decode = target.tokenizer.decode
+
+    def counting(ids, **kwargs):
+        lengths.append(len(ids))
+        return decode(ids, **kwargs)
+
+    monkeypatch.setattr(target.tokenizer, "decode", counting)
+    got = engine.generate(prompt, DecodeConfig(mode="vanilla", max_new_tokens=300, stop=(stop,)))
+    assert (got.token_ids, got.text, got.finish_reason) == (want_tokens, want_text, "stop")
+    checks = lengths[:-1]  # the last decode is the finished text, once
+    assert len(checks) == len(want_tokens) and max(checks) == stop_window((stop,))

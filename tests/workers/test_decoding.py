@@ -171,7 +171,7 @@ def test_batched_rows_equal_one_at_a_time(decoder):
     )
     rows = list(batched.decode_many(reqs, JOB, ORIGIN))
     assert sorted(r["sample_id"] for r in rows) == sorted(alone)
-    assert [r["sample_id"] for r in rows][:2] == ["bad", "too-long"]  # failed: no decoding
+    assert {r["sample_id"] for r in rows[:2]} == {"bad", "too-long"}  # failed: no decoding
     keys = ("status", "output_text", "turn_outputs", "completion_tokens", "n_cycles")
     for row in rows:
         assert {k: row[k] for k in keys} == {k: alone[row["sample_id"]][k] for k in keys}
