@@ -110,7 +110,9 @@ def run_ours(
     start = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     seconds = time.perf_counter() - start
-    table = pq.read_table(out).to_pylist()
+    table = [
+        row for f in sorted(out.glob("job=*/*.parquet")) for row in pq.read_table(f).to_pylist()
+    ]
     outputs = {r["sample_id"]: r for r in table}
     tokens = sum(r["completion_tokens"] or 0 for r in table)
     return {"seconds": seconds, "tokens": tokens, "outputs": outputs, "rows": table}
