@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from producer.validate import Rejected
+
+if TYPE_CHECKING:  # imported where used: `bench` reads its options without pyarrow
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
 CONTENT_COLUMNS = ("prompt", "messages", "turns")
 COLUMNS = (
@@ -46,6 +46,9 @@ class InputFileError(Exception):
 
 def parquet_records(path: Path, max_row_bytes: int) -> Iterator[tuple[int, Any, int] | Rejected]:
     """(row number from 1, row, bytes) per row, or Rejected for a row over the cap."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         parquet = pq.ParquetFile(path)
         names = parquet.schema_arrow.names
@@ -86,6 +89,8 @@ def _batch_rows(parquet: pq.ParquetFile) -> int:
 
 def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
     """The bytes of each row's values."""
+    import numpy as np
+
     total = np.zeros(batch.num_rows, dtype=np.int64)
     for column in batch.columns:
         total += _value_bytes(column)
@@ -93,6 +98,10 @@ def row_bytes(batch: pa.RecordBatch) -> np.ndarray:
 
 
 def _value_bytes(array: pa.Array) -> np.ndarray:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     kind = array.type
     if (
         pa.types.is_string(kind)
