@@ -12,7 +12,8 @@ from sqlalchemy import Engine
 
 from producer.jobs import JobError, one_line, set_shards_state
 from producer.status import find_job
-from workers.db import missing_shards, refresh_job_state, set_job_state
+from workers.db import missing_shards, reclaim_stalled, refresh_job_state, set_job_state
+from workers.heartbeat import silent_since, stall_after
 
 
 def enqueue_shards(job_id: str, model: str, shards: list[int]) -> str:
@@ -41,19 +42,24 @@ def cancel_job(engine: Engine, job: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class Resumed:
-    """What `resume_job` did: the shards it re-enqueued and on which queue; with no
-    shards, nothing was missing and `state` is the job's (refreshed) state."""
+    """What `resume_job` did: the shards it re-enqueued and on which queue, and which of
+    them had stalled; with no shards, nothing was missing and `state` is the job's
+    (refreshed) state."""
 
     job_id: str
     shards: list[int] = field(default_factory=list)
     queue: str | None = None
     state: str | None = None
+    stalled: list[int] = field(default_factory=list)
 
 
 def resume_job(engine: Engine, job: str) -> Resumed:
-    """Re-enqueue every shard of JOB that misses samples or that no worker marked done."""
+    """Re-enqueue every shard of JOB that misses samples or that no worker marked done.
+    A shard left running with no heartbeat (workers/heartbeat.py) is reclaimed first, its
+    lost attempt counted as the workers' watchdog would count it."""
     row = find_job(engine, job)
     job_id = row["id"]
+    stalled = reclaim_stalled(engine, silent_since(stall_after()), job_id)
     shards = missing_shards(engine, job_id)
     if not shards:
         return Resumed(job_id, state=refresh_job_state(engine, job_id))
@@ -62,6 +68,8 @@ def resume_job(engine: Engine, job: str) -> Resumed:
             f"job {job_id} was never completely created (its submit was interrupted): "
             "submit the input again"
         )
-    set_shards_state(engine, job_id, "queued", shards=shards)
+    reclaimed = {r["shard"] for r in stalled}  # queued already, their loss kept as the error
+    set_shards_state(engine, job_id, "queued", shards=[s for s in shards if s not in reclaimed])
     set_job_state(engine, job_id, "queued", expect=["cancelled", "failed", "completed"])
-    return Resumed(job_id, shards, enqueue_shards(job_id, row["model"], shards))
+    queue = enqueue_shards(job_id, row["model"], shards)
+    return Resumed(job_id, shards, queue, stalled=sorted(reclaimed))

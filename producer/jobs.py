@@ -31,6 +31,7 @@ from workers.schema import (
     samples_t,
     shards_t,
 )
+from workers.settings import DEFAULT_MAX_ATTEMPTS
 
 ContextCheck = tuple[TokenCounter, int]
 # The jobs table's model and draft are String(255) columns, like the ids.
@@ -59,14 +60,27 @@ class JobSpec:
     system: str | None = None  # opens every conversation that has no system message
     n: int = 1  # completions of a line that does not say
     dtype: str = "auto"  # the number format workers decode in (auto: each device's best)
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS  # lost attempts before a shard is given up
 
     def stored_params(self, **extra: Any) -> dict[str, Any]:
         """The job row's params: decode settings, the shard size, the job's system prompt,
-        its completions per line, its dtype and any `extra` notes."""
+        its completions per line, its dtype, its max attempts and any `extra` notes (those
+        at their defaults are left out, so older jobs still match: `run` resumes them)."""
         system = {"system": self.system} if self.system is not None else {}
         n = {"n": self.n} if self.n != 1 else {}
         dtype = {"dtype": self.dtype} if self.dtype != "auto" else {}
-        return {**self.params, "shard_size": self.shard_size, **system, **n, **dtype, **extra}
+        attempts = (
+            {"max_attempts": self.max_attempts} if self.max_attempts != DEFAULT_MAX_ATTEMPTS else {}
+        )
+        return {
+            **self.params,
+            "shard_size": self.shard_size,
+            **system,
+            **n,
+            **dtype,
+            **attempts,
+            **extra,
+        }
 
     def greedy(self, request: Request) -> bool:
         """Whether the request decodes greedily (temperature 0), its own or the job's."""
@@ -99,6 +113,7 @@ def make_spec(
     system: str | None = None,
     n: int = 1,
     dtype: str = "auto",
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     **params: Any,
 ) -> JobSpec:
     """Check the options together; raises JobError with the reason.
@@ -147,7 +162,9 @@ def make_spec(
         raise JobError(str(exc)) from None
     if dtype not in DTYPES:
         raise JobError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return JobSpec(model, draft, mode, params, shard_size, system, n, dtype)
+    if max_attempts < 1:
+        raise JobError(f"--max-attempts must be >= 1, got {max_attempts}")
+    return JobSpec(model, draft, mode, params, shard_size, system, n, dtype, max_attempts)
 
 
 def context_check(model: str) -> ContextCheck:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from eagle2_core.config import AUTO
 from producer.creation import build_job
 from producer.database import open_database, prepare_database, safe_url
-from producer.jobs import JobError, JobSpec, input_fingerprint, one_line
+from producer.jobs import JobError, JobSpec, input_fingerprint, one_line, set_shards_state
 from producer.stats import STATS_COLUMNS, compute_stats, format_stats
 from producer.status import job_status
 from workers.db import get_job, iter_samples, missing_shards, sample_counts
@@ -122,9 +122,15 @@ def _decode(engine: Engine, decoder: Any, job_id: str, out: Path) -> None:
             bar.update(1)
 
         for shard in missing_shards(engine, job_id):
-            result = process_shard(
-                engine, decoder, job_id, shard, out, worker, on_progress=progress
-            )
+            # One process runs the job: a shard still running was left by an earlier one
+            # that died, a lost attempt; Ctrl-C is not one.
+            try:
+                result = process_shard(
+                    engine, decoder, job_id, shard, out, worker, on_progress=progress, lost_after=0
+                )
+            except KeyboardInterrupt:
+                set_shards_state(engine, job_id, "queued", shards=[shard], expect=["running"])
+                raise
             if result.state == "cancelled":
                 break
 

@@ -17,6 +17,7 @@ from eagle2_core.registry import draft_label
 from producer.database import as_utc
 from producer.jobs import JobError
 from workers.db import get_job, latest_job_id, refresh_job_state, sample_counts
+from workers.heartbeat import silent_since, stall_after
 from workers.schema import jobs_t, rejected_lines_t, samples_t, shards_t
 
 TERMINAL_STATES = ("completed", "failed", "cancelled")
@@ -83,16 +84,20 @@ def job_status(engine: Engine, job_id: str) -> dict[str, Any]:
         shard_rows = conn.execute(
             select(shards_t).where(shards_t.c.job_id == job_id).order_by(shards_t.c.shard)
         ).mappings()
+        silent = silent_since(stall_after())
         shards = [
             {
                 "shard": row["shard"],
-                "state": row["state"],
+                # A running shard with no heartbeat for the stall limit has no live attempt.
+                "state": "stalled" if _stalled(row, silent) else row["state"],
                 "lines": [row["line_start"], row["line_end"]],
                 "samples": row["n_samples"],
                 "stored": per_shard.get(row["shard"], 0),
                 "attempts": row["attempts"],
+                "lost_attempts": row["lost_attempts"],
                 "worker": row["worker"],
                 "started_at": as_utc(row["started_at"]),
+                "heartbeat_at": as_utc(row["heartbeat_at"]),
                 "error": row["error"],
             }
             for row in shard_rows
@@ -123,10 +128,19 @@ def job_status(engine: Engine, job_id: str) -> dict[str, Any]:
         "eta_s": remaining / rate if rate and state not in TERMINAL_STATES else None,
         "shard_states": dict(Counter(s["state"] for s in shards)),
         "shards": [
-            {**s, "started_at": s["started_at"].isoformat() if s["started_at"] else None}
+            {
+                **s,
+                "started_at": s["started_at"].isoformat() if s["started_at"] else None,
+                "heartbeat_at": s["heartbeat_at"].isoformat() if s["heartbeat_at"] else None,
+            }
             for s in shards
         ],
     }
+
+
+def _stalled(row: Any, silent: datetime) -> bool:
+    beat = as_utc(row["heartbeat_at"])
+    return row["state"] == "running" and beat is not None and beat < silent
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -146,15 +160,25 @@ def format_status(status: dict[str, Any]) -> str:
         "shards: "
         + (", ".join(f"{n} {s}" for s, n in sorted(status["shard_states"].items())) or "none"),
     ]
+    stalled = status["shard_states"].get("stalled", 0)
+    if stalled:
+        lines.append(
+            f"{stalled} stalled: running with no heartbeat for over {stall_after():.0f} s, so "
+            f"no worker holds {'them' if stalled > 1 else 'it'}; the workers' watchdog "
+            f"re-enqueues stalled shards, or `eagle2-batch resume {status['job_id']}`"
+        )
     pending = [s for s in status["shards"] if s["state"] != "done"]
     if pending:
-        lines.append(f"{'shard':>7}  {'state':<9}  {'lines':<15}  {'stored':>11}  tries  worker")
+        lines.append(
+            f"{'shard':>7}  {'state':<9}  {'lines':<15}  {'stored':>11}  tries  lost  worker"
+        )
         for s in pending[:SHOWN_SHARDS]:
             span = f"{s['lines'][0]}-{s['lines'][1]}"
             lines.append(
                 f"{s['shard']:>7}  {s['state']:<9}  {span:<15}  "
                 f"{str(s['stored']) + '/' + str(s['samples']):>11}  {s['attempts']:>5}  "
-                f"{s['worker'] or '-'}" + (f"  error: {s['error']}" if s["error"] else "")
+                f"{s['lost_attempts']:>4}  {s['worker'] or '-'}"
+                + (f"  error: {s['error']}" if s["error"] else "")
             )
         if len(pending) > SHOWN_SHARDS:
             lines.append(f"... {len(pending) - SHOWN_SHARDS} more (--json lists every shard)")

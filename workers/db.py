@@ -8,7 +8,8 @@ on Postgres (cluster) and SQLite (embedded, one laptop); the tables are workers/
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ def insert_shards(engine: Engine, rows: Iterable[Mapping[str, Any]]) -> int:
     return insert_ignore(
         engine,
         shards_t,
-        ({"state": "queued", "attempts": 0, **row} for row in rows),
+        ({"state": "queued", "attempts": 0, "lost_attempts": 0, **row} for row in rows),
     )
 
 
@@ -264,9 +265,71 @@ def heartbeat_shard(engine: Engine, job_id: str, shard: int) -> None:
     with engine.begin() as conn:
         conn.execute(
             update(shards_t)
-            .where(shards_t.c.job_id == job_id, shards_t.c.shard == shard)
+            .where(
+                shards_t.c.job_id == job_id,
+                shards_t.c.shard == shard,
+                shards_t.c.state == "running",
+            )
             .values(heartbeat_at=utcnow())
         )
+
+
+def get_shard(engine: Engine, job_id: str, shard: int) -> dict[str, Any]:
+    """One shard's row."""
+    stmt = select(shards_t).where(shards_t.c.job_id == job_id, shards_t.c.shard == shard)
+    with engine.connect() as conn:
+        return dict(conn.execute(stmt).mappings().one())
+
+
+def reclaim_stalled(
+    engine: Engine,
+    silent_since: datetime,
+    job_id: str | None = None,
+    shard: int | None = None,
+    before: Callable[[dict[str, Any]], object] | None = None,
+) -> list[dict[str, Any]]:
+    """Shards left running with no heartbeat since `silent_since` (of every job, one job,
+    or one shard of it): their attempt is gone, its worker dead or given up on an
+    unreachable database. Each goes back to 'queued' with one more lost attempt and why
+    in `error`. Returns their rows as they were, with the job's model. `before(row)` runs
+    first for each (the watchdog sends the shard's message there): if it raises, that shard
+    and the rest stay as they were. Compare-and-set on the heartbeat read: two watchdogs
+    never both reclaim one attempt, and one that stamps its heartbeat meanwhile is left
+    alone."""
+    stmt = (
+        select(shards_t, jobs_t.c.model)
+        .join(jobs_t, jobs_t.c.id == shards_t.c.job_id)
+        .where(shards_t.c.state == "running", shards_t.c.heartbeat_at < silent_since)
+    )
+    if job_id is not None:
+        stmt = stmt.where(shards_t.c.job_id == job_id)
+    if shard is not None:
+        stmt = stmt.where(shards_t.c.shard == shard)
+    with engine.connect() as conn:
+        stalled = [dict(row) for row in conn.execute(stmt).mappings()]
+    reclaimed = []
+    for row in stalled:
+        if before is not None:
+            before(row)
+        reason = (
+            f"attempt {row['attempts']} on {row['worker']} was lost: no heartbeat since "
+            f"{row['heartbeat_at']:%Y-%m-%d %H:%M:%S} UTC (its worker process died, or gave up "
+            "on the database)"
+        )
+        with engine.begin() as conn:
+            changed = conn.execute(
+                update(shards_t)
+                .where(
+                    shards_t.c.job_id == row["job_id"],
+                    shards_t.c.shard == row["shard"],
+                    shards_t.c.state == "running",
+                    shards_t.c.heartbeat_at == row["heartbeat_at"],
+                )
+                .values(state="queued", lost_attempts=shards_t.c.lost_attempts + 1, error=reason)
+            ).rowcount
+        if changed:
+            reclaimed.append(row)
+    return reclaimed
 
 
 # --------------------------------------------------------------------------- reads

@@ -169,6 +169,18 @@ class SampleDecoder:
                     del chats[sample_id]
                     yield done
 
+    def failed_rows(
+        self,
+        requests: Iterable[Request],
+        job_params: Mapping[str, Any],
+        origin: RowOrigin,
+        error: Exception,
+    ) -> Iterator[dict[str, Any]]:
+        """A 'failed' row with `error` for each request, decoding none: what a shard that
+        is given up stores (workers/shards.py)."""
+        for request in requests:
+            yield _fail(self._start(request, job_params, origin).row, error)
+
     def _start(self, request: Request, job_params: Mapping[str, Any], origin: RowOrigin) -> _Chat:
         settings = self.config_for(request, job_params)
         row: dict[str, Any] = {

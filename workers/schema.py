@@ -126,6 +126,10 @@ class Shard(Base):
     n_samples: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16), default="queued")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Attempts that ended without a word: their worker died (or gave up on the database)
+    # and the shard was found running with no heartbeat. At the job's max_attempts the
+    # shard is given up: its unfinished samples are stored as failed (workers/shards.py).
+    lost_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     worker: Mapped[str | None] = mapped_column(String(255))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

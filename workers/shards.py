@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,14 +20,16 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, InternalError, OperationalError
 
 from workers import db
+from workers.heartbeat import Heartbeat, heartbeat_period, silent_since, stall_after
 from workers.parquet_sink import write_shard_parquet
 from workers.request import Request
+from workers.settings import DEFAULT_MAX_ATTEMPTS
 
 if TYPE_CHECKING:  # decoding imports torch; the producer side of this module must not
     from workers.decoding import SampleDecoder
 
 # A crash loses at most the decoded samples not yet flushed: flush every FLUSH_ROWS rows, or
-# sooner when FLUSH_S have passed (long samples), which is also the heartbeat period.
+# sooner when FLUSH_S have passed (long samples).
 FLUSH_ROWS = 8
 FLUSH_S = 10.0
 
@@ -67,6 +69,10 @@ class _Tally:
     failed: int = 0
     skipped: int = 0
     decode_ms: float = 0.0
+
+
+class ShardGivenUp(Exception):
+    """The error of the samples of a shard whose attempts kept being lost."""
 
 
 class JobNotFoundError(LookupError):
@@ -117,13 +123,20 @@ def process_shard(
     worker: str,
     device: str | None = None,
     on_progress: ProgressCallback | None = None,
+    lost_after: float | None = None,
 ) -> ShardResult:
     """Decode and store the shard's missing samples, then write its Parquet file.
 
-    Marks the shard running (one more attempt), flushes rows every few samples with a
-    heartbeat, and stops early, leaving the shard 'cancelled', once the job is cancelled.
-    At the end the shard is 'done' and the job's state is re-derived from the stored
-    counts. `on_progress(row, n_done, n_pending)` is called after each decoded sample.
+    Marks the shard running (one more attempt), stamps its heartbeat from a thread while it
+    runs (workers/heartbeat.py), flushes rows every few samples, and stops early, leaving
+    the shard 'cancelled', once the job is cancelled. At the end the shard is 'done' and the
+    job's state is re-derived from the stored counts. `on_progress(row, n_done, n_pending)`
+    is called after each decoded sample.
+
+    A previous attempt found running with no heartbeat for `lost_after` seconds (default:
+    the stall limit) counts as lost. Once the job's max_attempts (default 3) are lost, the
+    shard is given up: its unfinished samples are stored as failed with the last loss as
+    their error, and nothing is decoded (decoding it is what kept killing its workers).
 
     Errors mark the shard 'failed' and are re-raised, except `RETRYABLE_DB_ERRORS`, which
     are re-raised untouched for the caller to retry (nothing stored is lost).
@@ -154,58 +167,86 @@ def process_shard(
     job = load_job(db_engine, job_id)
     if job["state"] == "cancelled":
         return cancel()
+    silent = stall_after() if lost_after is None else lost_after
+    db.reclaim_stalled(db_engine, silent_since(silent), job_id, shard)
+    lost = db.get_shard(db_engine, job_id, shard)
     db.set_shard_state(db_engine, job_id, shard, "running", worker=worker)
     if job["state"] == "queued":
         db.set_job_state(db_engine, job_id, "running", expect=["queued"])
     params = job["params"] or {}
+    max_attempts = params.get("max_attempts", DEFAULT_MAX_ATTEMPTS)
+    origin = RowOrigin(job_id, shard, worker, device)
     try:
-        tally.skipped = len(db.done_sample_ids(db_engine, job_id, shard))
-        pending = db.pending_requests(db_engine, job_id, shard)
-        unflushed: list[dict[str, Any]] = []
-        last_flush = time.monotonic()
-        requests = (
-            Request.from_payload(
-                {**row["payload"], "sample_id": row["sample_id"], "line_no": row["line_no"]}
+        with Heartbeat(db_engine, job_id, shard, heartbeat_period()):
+            tally.skipped = len(db.done_sample_ids(db_engine, job_id, shard))
+            pending = db.pending_requests(db_engine, job_id, shard)
+            requests = (
+                Request.from_payload(
+                    {**row["payload"], "sample_id": row["sample_id"], "line_no": row["line_no"]}
+                )
+                for row in pending
             )
-            for row in pending
-        )
-        for sample in decoder.decode_many(
-            requests, params, RowOrigin(job_id, shard, worker, device)
-        ):
-            unflushed.append(sample)
-            tally.decoded += 1
-            tally.failed += sample["status"] == "failed"
-            tally.decode_ms += sample["total_ms"] or 0.0
-            if on_progress is not None:
-                on_progress(sample, tally.decoded, len(pending))
-            if len(unflushed) >= FLUSH_ROWS or time.monotonic() - last_flush >= FLUSH_S:
-                tally.stored += _retrying(db.insert_samples, db_engine, unflushed)
-                unflushed.clear()
-                _retrying(db.heartbeat_shard, db_engine, job_id, shard)
-                last_flush = time.monotonic()
-                if tally.decoded < len(pending) and _cancelled(db_engine, job_id):
+            if lost["lost_attempts"] >= max_attempts:
+                given_up = ShardGivenUp(
+                    f"gave up after {lost['lost_attempts']} lost attempts (max_attempts "
+                    f"{max_attempts}); the last: {lost['error']}"
+                )
+                rows = list(decoder.failed_rows(requests, params, origin, given_up))
+                tally.failed = len(rows)
+                tally.stored = _retrying(db.insert_samples, db_engine, rows)
+            else:
+                samples = decoder.decode_many(requests, params, origin)
+                if not _store(db_engine, job_id, samples, len(pending), tally, on_progress):
                     return cancel()
-        tally.stored += _retrying(db.insert_samples, db_engine, unflushed)
-        metadata = {"model": job["model"], "draft": job["draft"], "mode": job["mode"]}
-        path = write_shard_parquet(
-            out_dir,
-            job_id,
-            shard,
-            db.iter_samples(db_engine, job_id, shard=shard),
-            {**metadata, "params": params},
-        )
-        db.set_shard_state(
-            db_engine,
-            job_id,
-            shard,
-            "done",
-            worker=worker,
-            parquet_path=str(path),
-            expect=["running"],
-        )
+            metadata = {"model": job["model"], "draft": job["draft"], "mode": job["mode"]}
+            path = write_shard_parquet(
+                out_dir,
+                job_id,
+                shard,
+                db.iter_samples(db_engine, job_id, shard=shard),
+                {**metadata, "params": params},
+            )
+            db.set_shard_state(
+                db_engine,
+                job_id,
+                shard,
+                "done",
+                worker=worker,
+                parquet_path=str(path),
+                expect=["running"],
+            )
     except RETRYABLE_DB_ERRORS:
         raise
     except Exception as exc:
         mark_failed(db_engine, job_id, shard, worker, exc)
         raise
     return result("done", path, db.refresh_job_state(db_engine, job_id))
+
+
+def _store(
+    db_engine: Engine,
+    job_id: str,
+    samples: Iterator[dict[str, Any]],
+    n_pending: int,
+    tally: _Tally,
+    on_progress: ProgressCallback | None,
+) -> bool:
+    """Store decoded samples as they come, FLUSH_ROWS at a time (or every FLUSH_S);
+    False when the job was cancelled meanwhile (the rest is not decoded)."""
+    unflushed: list[dict[str, Any]] = []
+    last_flush = time.monotonic()
+    for sample in samples:
+        unflushed.append(sample)
+        tally.decoded += 1
+        tally.failed += sample["status"] == "failed"
+        tally.decode_ms += sample["total_ms"] or 0.0
+        if on_progress is not None:
+            on_progress(sample, tally.decoded, n_pending)
+        if len(unflushed) >= FLUSH_ROWS or time.monotonic() - last_flush >= FLUSH_S:
+            tally.stored += _retrying(db.insert_samples, db_engine, unflushed)
+            unflushed.clear()
+            last_flush = time.monotonic()
+            if tally.decoded < n_pending and _cancelled(db_engine, job_id):
+                return False
+    tally.stored += _retrying(db.insert_samples, db_engine, unflushed)
+    return True

@@ -13,18 +13,21 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from celery import Task
 from celery.signals import worker_process_init
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from workers import db
 from workers.celery_app import app, queue_for
 from workers.settings import Settings, load_settings
 from workers.shards import RETRYABLE_DB_ERRORS, load_job, mark_failed, process_shard
+from workers.watchdog import start_watchdog
 
 if TYPE_CHECKING:
     from eagle2_core.models import Target
@@ -38,6 +41,7 @@ WORKER_DRAFT_ENV = "EAGLE2_WORKER_DRAFT"  # this host's draft head, instead of t
 WORKER_DEVICE_ENV = "EAGLE2_WORKER_DEVICE"  # 'cuda' or 'cpu'
 WORKER_BATCH_ENV = "EAGLE2_WORKER_BATCH_SIZE"  # sequences at once (unset: DEFAULT_BATCH_SIZE)
 WORKER_DTYPE_ENV = "EAGLE2_WORKER_DTYPE"  # this host's dtype, instead of the job's
+DB_RETRIES_ENV = "EAGLE2_DB_RETRIES"
 
 
 class WrongModelError(RuntimeError):
@@ -110,6 +114,12 @@ def _preload_served_model(**_: Any) -> None:
     _check_served_draft(target)
 
 
+@worker_process_init.connect
+def _start_watchdog(**_: Any) -> None:
+    """Every worker process watches for stalled shards of any job (workers/watchdog.py)."""
+    start_watchdog(_db(), enqueue_shards)
+
+
 def _check_served_draft(target: Target) -> None:
     """Read the launcher-named draft head once at start; exit if it is unusable.
 
@@ -168,20 +178,49 @@ def decoder_for(job: dict[str, Any]) -> SampleDecoder:
     return decoder
 
 
+def db_retries() -> int:
+    """`EAGLE2_DB_RETRIES`: Celery retries of a shard whose database failed mid-shard
+    (default 10); a non-negative integer."""
+    raw = os.environ.get(DB_RETRIES_ENV) or "10"
+    if not raw.isdigit():
+        raise ValueError(f"{DB_RETRIES_ENV} must be a whole number of retries: {raw!r}")
+    return int(raw)
+
+
+def _wait_for_database(engine: Engine) -> None:
+    """Block until the database answers, before the shard is taken. A task that failed at
+    once would spend its retries in seconds while the database is down and be dropped,
+    its shard queued for good; waiting holds this one message (prefetch 1), so no other
+    is consumed and every one runs once the database is back."""
+    pause = 1.0
+    while True:
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            return
+        except (OperationalError, InterfaceError) as exc:
+            log.warning("database unreachable, retrying in %.0f s: %s", pause, exc)
+            time.sleep(pause)
+            pause = min(2 * pause, 30.0)
+
+
 @app.task(
     name="eagle2.run_shard",
     bind=True,
-    # The database is briefly unreachable (restart, failover): retry, nothing is lost.
+    # The database went away mid-shard (restart, failover): retry, nothing is lost. A retry
+    # waits for it at its start, so an outage does not use them up; if they run out, the
+    # shard stalls and the watchdog re-enqueues it.
     autoretry_for=RETRYABLE_DB_ERRORS,
     retry_backoff=2,
     retry_backoff_max=300,
     retry_jitter=True,
-    max_retries=10,
+    max_retries=db_retries(),
 )
 def run_shard(self: Task, job_id: str, shard: int) -> dict[str, Any]:
     """Process one shard of a job (workers/shards.py); returns a summary for the log."""
     engine = _db()
     worker = self.request.hostname or socket.gethostname()
+    _wait_for_database(engine)
     job = load_job(engine, job_id)
     try:
         decoder = decoder_for(job)

@@ -55,6 +55,7 @@ def spec_from_options(options: dict[str, Any]) -> JobSpec:
             system=system,
             n=options["n"],
             dtype=options["dtype"],
+            max_attempts=options["max_attempts"],
         )
     except JobError as exc:
         raise click.UsageError(str(exc)) from exc

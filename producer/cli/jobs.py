@@ -121,7 +121,10 @@ def resume(job: str, db_url: str | None) -> None:
         )
         return
     n = len(done.shards)
-    click.echo(f"job {done.job_id}: re-enqueued {n} shard{'s' * (n != 1)} on {done.queue}")
+    stalled = (
+        f" ({len(done.stalled)} had stalled: running with no heartbeat)" if done.stalled else ""
+    )
+    click.echo(f"job {done.job_id}: re-enqueued {n} shard{'s' * (n != 1)} on {done.queue}{stalled}")
 
 
 @click.command()

@@ -19,7 +19,7 @@ from eagle2_core.registry import DEFAULT_MODEL
 from producer.inputs import DEFAULT_SHARD_SIZE
 from producer.validate import MAX_SEED
 from workers.request import MAX_COMPLETIONS
-from workers.settings import Settings, load_settings
+from workers.settings import DEFAULT_MAX_ATTEMPTS, Settings, load_settings
 
 _DEFAULTS = DecodeConfig()
 
@@ -236,6 +236,13 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--shard-size",
             DEFAULT_SHARD_SIZE,
             "Input lines per shard, the unit a worker takes and a resume redoes.",
+        ),
+        count_option(
+            "--max-attempts",
+            DEFAULT_MAX_ATTEMPTS,
+            "Attempts at a shard that may be lost (its worker died: a segfault, the OOM "
+            "killer) before the shard is given up: its unfinished samples are then stored "
+            "as failed, with the last loss as their error, and the job ends.",
         ),
         click.option(
             "--strict",

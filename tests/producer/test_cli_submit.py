@@ -16,14 +16,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from click.testing import CliRunner, Result
-from sqlalchemy import Engine, delete, func, select
+from sqlalchemy import Engine, delete, func, select, update
 
 from migrations import upgrade
 from producer.cli import main
@@ -300,6 +300,44 @@ def test_submit_enqueues_each_shard_and_resume_exactly_the_missing_ones(
 
 
 @pytest.mark.integration
+def test_status_shows_a_stalled_shard_and_resume_reclaims_it(
+    pg_url: str, broker: redis.Redis, tiny_model: Path, tmp_path: Path
+) -> None:
+    path = write_input(tmp_path / "in.jsonl", 10)
+    done = cli_process(
+        "submit", str(path), "--model", str(tiny_model), "--mode", "vanilla",
+        "--shard-size", "5", "--max-attempts", "5", db_url=pg_url, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip().splitlines()[-1]
+    broker.flushdb()  # both messages taken; shard 1's worker died, its heartbeat went quiet
+    engine = db.make_engine(pg_url)
+    assert db.get_job(engine, job_id)["params"]["max_attempts"] == 5  # type: ignore[index]
+    db.set_shard_state(engine, job_id, 1, "running", worker="cpu0@gone")
+    with engine.begin() as conn:
+        conn.execute(
+            update(db.shards_t)
+            .where(db.shards_t.c.job_id == job_id, db.shards_t.c.shard == 1)
+            .values(heartbeat_at=datetime.now(UTC) - timedelta(minutes=5))
+        )
+    text = cli("status", job_id, "--db-url", pg_url).output
+    assert "shards: 1 queued, 1 stalled" in text
+    assert "1 stalled: running with no heartbeat for over 60 s" in text
+    assert "eagle2-batch resume" in text
+
+    done = cli_process("resume", job_id, db_url=pg_url, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    queue = queue_for(str(tiny_model))
+    assert f"re-enqueued 2 shards on {queue} (1 had stalled" in done.stdout
+    assert queued_shards(broker, queue) == [(job_id, 0), (job_id, 1)]
+    status = json.loads(cli("status", job_id, "--json", "--db-url", pg_url).output)
+    stalled = status["shards"][1]
+    assert (stalled["state"], stalled["lost_attempts"]) == ("queued", 1)
+    assert stalled["error"].startswith("attempt 1 on cpu0@gone was lost: no heartbeat since")
+    engine.dispose()
+
+
+@pytest.mark.integration
 def test_resume_from_skips_what_the_old_job_did(
     pg_url: str,
     broker: redis.Redis,
@@ -432,7 +470,7 @@ def test_status_counts_throughput_and_shards(
     assert "expected 10  done 6 (ok 5, failed 1)  remaining 4  rejected lines 1" in text
     assert "samples/s" in text and "ETA" in text
     assert "1 done, 1 queued, 1 running" in text
-    assert "      1  running    5-8                      2/4      1  w2@host" in text
+    assert "      1  running    5-8                      2/4      1     0  w2@host" in text
     rejected = cli("status", job_id, "--rejected", "--db-url", db_url)
     assert rejected.output == "line 11: invalid JSON\n"
 

@@ -74,7 +74,7 @@ def test_upgrade_from_empty_then_models_match_migrations(empty_url):
     try:
         assert TABLES <= set(inspect(engine).get_table_names())
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0004"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0005"
         indexes = {ix["name"] for ix in inspect(engine).get_indexes("samples")}
         assert "ix_samples_job_id_shard_line_no" in indexes
     finally:

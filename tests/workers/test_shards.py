@@ -1,7 +1,9 @@
-"""process_shard on SQLite and Postgres: storage, redelivery, Parquet completeness, cancel."""
+"""process_shard on SQLite and Postgres: storage, redelivery, Parquet completeness, cancel,
+lost attempts and poison shards, the heartbeat."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pyarrow.parquet as pq
@@ -216,3 +218,75 @@ def test_cancelled_job_stops_and_leaves_the_shard_cancelled(engine, decoder, out
 def test_unknown_job_is_a_clear_error(engine, decoder, out):
     with pytest.raises(JobNotFoundError, match="another EAGLE2_DATABASE_URL"):
         process_shard(engine, decoder, "no-such-job", 0, out, WORKER)
+
+
+def crash_on_first_sample(decoder: SampleDecoder) -> Decoder:
+    return Decoder(decoder, after=0, action=lambda: (_ for _ in ()).throw(Crash()))
+
+
+def test_a_shard_whose_attempts_keep_dying_is_given_up(engine, decoder, out):
+    """Each attempt dies (the process: nothing catches Crash); each next one counts it
+    lost. The third loss ends it: every unfinished sample stored as failed with the last
+    loss, nothing decoded, the job finished with them counted."""
+    job_id = make_job(engine)
+    for attempt in range(1, 4):
+        with pytest.raises(Crash):
+            process_shard(engine, crash_on_first_sample(decoder), job_id, 0, out, f"w{attempt}",
+                          lost_after=0)  # fmt: skip
+        assert shard_row(engine, job_id, 0)["lost_attempts"] == attempt - 1
+    for s in (1, 2):  # the other shards are fine
+        process_shard(engine, decoder, job_id, s, out, WORKER)
+    untouched = Decoder(decoder)
+    untouched.failed_rows = decoder.failed_rows  # what a given-up shard calls instead
+    result = process_shard(engine, untouched, job_id, 0, out, "w4", lost_after=0)
+    assert untouched.decoded == [] and (result.state, result.failed) == ("done", 4)
+    row = shard_row(engine, job_id, 0)
+    assert (row["state"], row["attempts"], row["lost_attempts"]) == ("done", 4, 3)
+    rows = stored(engine, job_id, 0)
+    assert [r["status"] for r in rows] == ["failed"] * 4
+    assert rows[0]["error"].startswith(
+        "ShardGivenUp: gave up after 3 lost attempts (max_attempts 3); the last: "
+        "attempt 3 on w3 was lost: no heartbeat since "
+    )
+    assert (rows[0]["worker"], rows[0]["temperature"]) == ("w4", 0.0)
+    assert parquet_ids(out, job_id, 0) == ["q0", "q1", "q2", "q3"]
+    job = db.get_job(engine, job_id)
+    assert job["state"] == "failed" and db.sample_counts(engine, job_id) == {"ok": 6, "failed": 4}
+
+
+def test_max_attempts_comes_from_the_job(engine, decoder, out):
+    job_id = make_job(engine)
+    db.update_job(engine, job_id, params={**PARAMS, "max_attempts": 1})
+    with pytest.raises(Crash):
+        process_shard(engine, crash_on_first_sample(decoder), job_id, 2, out, WORKER, lost_after=0)
+    result = process_shard(engine, decoder, job_id, 2, out, WORKER, lost_after=0)
+    assert (result.decoded, result.failed) == (0, 2)
+
+
+def test_an_attempt_with_a_fresh_heartbeat_is_not_counted_lost(engine, decoder, out):
+    """A Celery retry after a database error, or a redelivery while the first attempt
+    still runs, finds the shard running and beating: not a loss."""
+    job_id = make_job(engine)
+
+    def connection_lost():
+        raise OperationalError("INSERT ...", {}, ConnectionError("server closed the connection"))
+
+    with pytest.raises(OperationalError):
+        process_shard(engine, Decoder(decoder, 1, connection_lost), job_id, 0, out, WORKER)
+    result = process_shard(engine, decoder, job_id, 0, out, WORKER)  # the stall limit: 60 s
+    assert result.state == "done" and shard_row(engine, job_id, 0)["lost_attempts"] == 0
+
+
+def test_the_heartbeat_beats_while_a_sample_takes_long(engine, decoder, out, monkeypatch):
+    monkeypatch.setenv("EAGLE2_HEARTBEAT_S", "0.05")
+    job_id = make_job(engine)
+    beats = []
+
+    def slow() -> None:  # one sample taking long, between two rows
+        first = shard_row(engine, job_id, 1)["heartbeat_at"]
+        time.sleep(0.5)
+        beats.append((first, shard_row(engine, job_id, 1)["heartbeat_at"]))
+
+    process_shard(engine, Decoder(decoder, after=1, action=slow), job_id, 1, out, WORKER)
+    [(first, later)] = beats
+    assert later > first  # stamped from the thread, no row flushed meanwhile

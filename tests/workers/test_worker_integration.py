@@ -11,16 +11,18 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import redis
 import torch
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, update
 
 from eagle2_core import models
 from migrations import upgrade
+from producer.status import format_status, job_status
 from tests.workers.manifests import store_job
 from tests.workers.test_decoding import save_tiny_model
 from workers import db, launcher, tasks
@@ -28,6 +30,7 @@ from workers.celery_app import queue_for, visibility_timeout
 from workers.launcher import LaunchError, plan_workers, select_gpus, visible_gpus
 from workers.parquet_sink import read_job_parquet
 from workers.request import Request
+from workers.schema import utcnow
 from workers.shards import RETRYABLE_DB_ERRORS
 
 REDIS_DB = 13
@@ -525,6 +528,35 @@ def test_n_completions_and_stop_strings_through_submit(cluster: Cluster, tmp_pat
     }  # every sampled completion reproduced
     assert rerun["c"]["output_text"] == text[: text.index(stop)]
     assert rerun["c"]["finish_reason"] == "stop"
+
+
+@pytest.mark.integration
+def test_a_shard_left_running_by_a_lost_acknowledgement_is_re_enqueued(cluster: Cluster):
+    """What an attempt that gave up on the database once Celery's retries ran out leaves:
+    the shard running in the database, no heartbeat, no message anywhere. `status` calls it
+    stalled; the workers' watchdog sends it again (within a sweep, 30 s) and it completes."""
+    requests = prompt_file(SHARD_SIZE)
+    job_id = create_job(cluster.engine, cluster.model, cluster.draft, requests)
+    db.set_shard_state(cluster.engine, job_id, 0, "running", worker="cpu0@gone")
+    with cluster.engine.begin() as conn:  # its last heartbeat, an hour ago
+        conn.execute(
+            update(db.shards_t)
+            .where(db.shards_t.c.job_id == job_id)
+            .values(heartbeat_at=utcnow() - timedelta(hours=1))
+        )
+    before = job_status(cluster.engine, job_id)
+    assert before["shard_states"] == {"stalled": 1}
+    assert "1 stalled: running with no heartbeat for over 60 s" in format_status(before)
+    t0 = time.monotonic()
+    cluster.wait(job_done(cluster.engine, job_id), 300, "the watchdog re-enqueues the shard")
+    [shard] = shard_rows(cluster.engine, job_id)
+    assert (shard["attempts"], shard["lost_attempts"]) == (2, 1)
+    assert sorted(r["sample_id"] for r in db.iter_samples(cluster.engine, job_id)) == sorted(
+        r.sample_id for r in requests
+    )
+    logs = "".join(p.read_text() for p in cluster.logs)
+    assert f"watchdog: shard 0 of job {job_id} stalled (running on cpu0@gone" in logs
+    assert time.monotonic() - t0 < 90
 
 
 @pytest.mark.integration
