@@ -204,6 +204,28 @@ def test_system_file_counts_in_the_length_check_and_excludes_system(
     assert both.exit_code == 2 and "give --system or --system-file, not both" in both.output
 
 
+def test_job_texts_that_cannot_be_stored_are_usage_errors(
+    sqlite_url: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A command-line byte that is not UTF-8 reaches Python as a lone surrogate; a system
+    file may be no UTF-8 at all. Either is a one-line usage error, before anything runs."""
+    path = write_input(tmp_path / "in.jsonl", 2)
+    args = ["submit", str(path), "--model", str(tiny_model), "--mode", "vanilla", "--dry-run"]
+    args += ["--db-url", sqlite_url]
+    for option, value, why in [
+        ("--stop", "end\udcff", "--stop: expected valid Unicode text, got a lone surrogate"),
+        ("--system", "\udce9t\udce9", "--system: expected valid Unicode text"),
+    ]:
+        result = cli(*args, option, value)
+        assert result.exit_code == 2 and why in result.output, result.output
+    system = tmp_path / "system.txt"
+    system.write_bytes(b"caf\xe9")
+    result = cli(*args, "--system-file", str(system))
+    assert result.exit_code == 2
+    assert f"--system-file {system}: invalid UTF-8 at byte 4 (0xe9)" in result.output
+    assert "Traceback" not in result.output
+
+
 @pytest.mark.integration
 def test_strict_fails_before_anything_is_written_or_enqueued(
     pg_url: str, broker: redis.Redis, tiny_model: Path, tmp_path: Path
