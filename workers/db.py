@@ -286,16 +286,17 @@ def reclaim_stalled(
     silent_since: datetime,
     job_id: str | None = None,
     shard: int | None = None,
-    before: Callable[[dict[str, Any]], object] | None = None,
+    on_reclaim: Callable[[dict[str, Any]], object] | None = None,
 ) -> list[dict[str, Any]]:
     """Shards left running with no heartbeat since `silent_since` (of every job, one job,
     or one shard of it): their attempt is gone, its worker dead or given up on an
     unreachable database. Each goes back to 'queued' with one more lost attempt and why
-    in `error`. Returns their rows as they were, with the job's model. `before(row)` runs
-    first for each (the watchdog sends the shard's message there): if it raises, that shard
-    and the rest stay as they were. Compare-and-set on the heartbeat read: two watchdogs
-    never both reclaim one attempt, and one that stamps its heartbeat meanwhile is left
-    alone."""
+    in `error`. Returns their rows as they were, with the job's model.
+
+    Compare-and-set on the heartbeat read, one transaction a shard: two watchdogs never
+    both reclaim one attempt, and one that stamps its heartbeat meanwhile is left alone.
+    `on_reclaim(row)` runs inside that transaction once the shard is won (the watchdog
+    sends its message there): if it raises, the reclaim is undone and the error raised."""
     stmt = (
         select(shards_t, jobs_t.c.model)
         .join(jobs_t, jobs_t.c.id == shards_t.c.job_id)
@@ -309,15 +310,13 @@ def reclaim_stalled(
         stalled = [dict(row) for row in conn.execute(stmt).mappings()]
     reclaimed = []
     for row in stalled:
-        if before is not None:
-            before(row)
         reason = (
             f"attempt {row['attempts']} on {row['worker']} was lost: no heartbeat since "
             f"{row['heartbeat_at']:%Y-%m-%d %H:%M:%S} UTC (its worker process died, or gave up "
             "on the database)"
         )
         with engine.begin() as conn:
-            changed = conn.execute(
+            won = conn.execute(
                 update(shards_t)
                 .where(
                     shards_t.c.job_id == row["job_id"],
@@ -327,7 +326,9 @@ def reclaim_stalled(
                 )
                 .values(state="queued", lost_attempts=shards_t.c.lost_attempts + 1, error=reason)
             ).rowcount
-        if changed:
+            if won and on_reclaim is not None:
+                on_reclaim(row)
+        if won:
             reclaimed.append(row)
     return reclaimed
 

@@ -349,18 +349,23 @@ def make_cluster(
     tmp_path: Path, tiny_model: tuple[Path, Path], make_pg_database: Callable[[], str]
 ) -> Iterator[Callable[..., FaultCluster]]:
     """Factory: a FaultCluster on a private redis-server and a fresh Postgres database,
-    reached directly or through a TcpProxy (`proxy=True`). Everything is stopped after."""
+    reached directly or through a TcpProxy (`proxy=True`), its workers' environment with
+    `env` on top. Everything is stopped after."""
     made: list[tuple[FaultCluster, TcpProxy | None]] = []
 
-    def make(visibility_timeout: int = 60, proxy: bool = False) -> FaultCluster:
+    def make(
+        visibility_timeout: int = 60, proxy: bool = False, env: dict[str, str] | None = None
+    ) -> FaultCluster:
         url = make_pg_database()
         upgrade(url)
         broker = RedisServer(tmp_path / "redis.log")
         broker.start()
         tcp = TcpProxy() if proxy else None
         worker_url = url.replace(":5432/", f":{tcp.port}/") if tcp else url
+        settings = env or {}
         env = {
             **os.environ,
+            **settings,
             "EAGLE2_DATABASE_URL": worker_url,
             "EAGLE2_BROKER_URL": broker.url,
             "EAGLE2_OUTPUT_DIR": str(tmp_path / "out"),
@@ -747,4 +752,217 @@ def test_bad_checkpoints_are_refused(make_cluster: Callable[..., FaultCluster]):
         bad_job_shards="failed, 0 samples decoded",
         lost=report["lost"],
         duplicated=report["duplicated"],
+    )
+
+
+def hostile_file(path: Path, n_good: int) -> tuple[dict[int, str], str]:
+    """Good prompt lines with, between them, the single lines that crashed job creation on
+    Postgres and those like them; returns {line number: the field its rejection names} and
+    a 253-character id asked for 2 completions ("<id>#1" is 255: it must be stored)."""
+    body = {"messages": [{"role": "user", "content": "t5 t6"}], "stop": "\ud800"}
+    long_id = "L" * 253
+    bad = [
+        ({"id": "x" * 254, "prompt": "t5 t6", "n": 2}, 'field "id"'),
+        ({"id": "s1", "prompt": "t5 t6", "stop": "\ud800"}, 'field "stop"'),
+        (
+            {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": body},
+            'field "body.stop"',
+        ),  # fmt: skip
+        ({"id": "s2", "prompt": "t5", "stop": ["t9", "a\x00b"]}, 'field "stop[1]"'),
+        ({"id": "s3", "prompt": "t5 \x00 t6"}, 'field "prompt"'),
+        (
+            {
+                "id": "s4",
+                "messages": [
+                    {"role": "system", "content": "\udc80"},
+                    {"role": "user", "content": "t5"},
+                ],
+            },
+            'field "messages[0].content"',
+        ),  # fmt: skip
+        ({"id": "s5", "prompt": "t5", "category": "c\x00"}, 'field "category"'),
+    ]
+    lines: list[str] = []
+    fields = {}
+    for i, good in enumerate(prompt_lines(n_good)):
+        lines.append(json.dumps(good))
+        if i == 4:
+            lines.append(json.dumps({"id": long_id, "prompt": "t5 t6 t7", "n": 2}))
+        if i % 2 and bad:  # a good line or two between the bad ones
+            line, field = bad.pop(0)
+            lines.append(json.dumps(line))
+            fields[len(lines)] = field
+    path.write_text("\n".join(lines) + "\n")
+    return fields, long_id
+
+
+def test_lines_that_cannot_be_stored_are_named_and_the_rest_runs(
+    make_cluster: Callable[..., FaultCluster],
+):
+    """`submit --wait` of a file of lines that each crashed job creation on a fresh Postgres
+    database (an id too long for its completions, a lone surrogate or a NUL in stop, in a
+    plain line or an OpenAI body, and in the other fields): no traceback, exit 0, every bad
+    line named by number and field, every good line decoded and stored once, the long id
+    that fits stored with both of its completions."""
+    c = make_cluster()
+    c.launch_all("hostile")
+    n_good = 20
+    path = c.root / "hostile.jsonl"
+    fields, long_id = hostile_file(path, n_good)
+    t0 = time.monotonic()
+    argv = [EAGLE2_BATCH, "submit", str(path), "--model", str(c.model), "--draft", str(c.draft)]
+    argv += ["--shard-size", str(SHARD_SIZE), "--max-new-tokens", "8", "--wait", "--json"]
+    result = subprocess.run(argv, env=c.env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert (summary["requests"], summary["rejected"], summary["state"]) == (
+        n_good + 1,
+        len(fields),
+        "completed",
+    )
+    for line_no, field in fields.items():
+        assert f"line {line_no}: {field}: expected" in result.stderr, (line_no, field)
+    job_id = summary["job_id"]
+    with c.engine.connect() as conn:
+        stored = dict(
+            conn.execute(
+                select(db.rejected_lines_t.c.line_no, db.rejected_lines_t.c.reason).where(
+                    db.rejected_lines_t.c.job_id == job_id
+                )
+            ).all()
+        )
+    assert {n: reason.split(":")[0] for n, reason in stored.items()} == fields
+    report = check_exactly_once(c, job_id, n_good + 2)
+    ids = {r["sample_id"] for r in db.iter_samples(c.engine, job_id)}
+    assert {f"{long_id}#0", f"{long_id}#1"} <= ids
+    record(
+        "lines that cannot be stored",
+        samples=n_good + 2,
+        faults=f"{len(fields)} bad lines: an id of 254 characters with n = 2, lone surrogates "
+        "and NULs in stop (plain and in an OpenAI body), prompt, message and category; and "
+        "an id of 253 with n = 2 (fits)",
+        rejected_by_line=sorted(stored),
+        lost=report["lost"],
+        duplicated=report["duplicated"],
+        submit_to_complete_s=round(time.monotonic() - t0, 1),
+    )
+
+
+# Heartbeats every half second: a shard without one for 3 s has stalled, and each worker's
+# watchdog sweeps every 1.5 s. The visibility timeout is out of the way: the watchdog, not
+# Redis, brings lost shards back.
+QUICK_HEARTBEAT = {"EAGLE2_HEARTBEAT_S": "0.5"}
+LONG_VISIBILITY_TIMEOUT = 600
+
+
+def test_a_shard_that_kills_its_workers_is_given_up(make_cluster: Callable[..., FaultCluster]):
+    """A poison shard: every attempt at it kills its worker process (SIGKILL, as the OOM
+    killer or a segfault would). Each loss is found by the workers' watchdog and counted;
+    after --max-attempts (3) the next delivery decodes nothing, stores the shard's samples as
+    failed with the last loss as their error, and the job ends with them counted."""
+    c = make_cluster(visibility_timeout=LONG_VISIBILITY_TIMEOUT, env=QUICK_HEARTBEAT)
+    hosts = ["poison-a", "poison-b", "poison-c", "poison-d"]
+    launchers = dict(zip(hosts, c.launch_all(*hosts), strict=True))
+    n = 2 * SHARD_SIZE
+    job_id = c.submit(n)
+    back_after = []  # seconds from each kill to the shard's next attempt
+    killed = []
+    for attempt in range(1, 4):
+        shard = {}
+
+        def started(attempt: int = attempt, shard: dict = shard) -> bool:
+            row = shard_rows(c.engine, job_id)[0]
+            shard.update(row)
+            return row["state"] == "running" and row["attempts"] >= attempt
+
+        wait_until(started, 300, f"attempt {attempt} of shard 0")
+        if killed:
+            back_after.append(round(time.monotonic() - killed[-1][0], 1))
+        host = shard["worker"].split("@", 1)[1]
+        launcher = launchers.pop(host)
+        pid = c.child_of(launcher)
+        os.kill(pid, signal.SIGKILL)
+        killed.append((time.monotonic(), host))
+        assert c.forget(launcher) == 128 + signal.SIGKILL
+        c.children.remove(pid)
+    c.wait(finished(c.engine, job_id), 300, "the poison shard given up")
+    given_up = time.monotonic() - killed[-1][0]
+    shard = shard_rows(c.engine, job_id)[0]
+    assert (shard["state"], shard["attempts"], shard["lost_attempts"]) == ("done", 4, 3)
+    rows = [r for r in db.iter_samples(c.engine, job_id) if r["shard"] == 0]
+    assert len(rows) == SHARD_SIZE and {r["status"] for r in rows} == {"failed"}
+    assert rows[0]["error"].startswith(
+        "ShardGivenUp: gave up after 3 lost attempts (max_attempts 3); the last: attempt 3 on "
+        f"cpu0@{killed[-1][1]} was lost: no heartbeat since"
+    )
+    assert db.get_job(c.engine, job_id)["state"] == "failed"
+    assert db.sample_counts(c.engine, job_id) == {"ok": SHARD_SIZE, "failed": SHARD_SIZE}
+    report = verify(c, job_id)  # each sample stored once, failed or not, in both stores
+    assert report["ok"] and (report["lost"], report["duplicated"]) == (0, 0)
+    watchdog = sum(p.read_text().count("watchdog: shard 0 of job") for p in c.logs)
+    assert watchdog == 3
+    record(
+        "poison shard (kills every worker that takes it)",
+        samples=n,
+        faults="SIGKILL of the worker process running shard 0, at each of its first 3 attempts",
+        workers_killed=len(killed),
+        next_attempt_after_kill_s=back_after,
+        given_up_after_third_kill_s=round(given_up, 1),
+        failed_samples=SHARD_SIZE,
+        lost=report["lost"],
+        duplicated=report["duplicated"],
+    )
+
+
+def test_postgres_unreachable_longer_than_the_retries(make_cluster: Callable[..., FaultCluster]):
+    """Postgres cut mid-shard for 90 s: longer than the running shards' writes retry in
+    place (60 s) and than their Celery retries (EAGLE2_DB_RETRIES=0 here, so any outage
+    outlasts them). Those tasks give up and are acknowledged, their shards left running
+    with no heartbeat; the queued shards wait for Postgres at their start instead of spending
+    their retries and being dropped. Once it is back, the workers' watchdog re-enqueues the
+    stalled shards and the job completes, every sample stored once."""
+    env = {**QUICK_HEARTBEAT, "EAGLE2_DB_RETRIES": "0"}
+    c = make_cluster(visibility_timeout=LONG_VISIBILITY_TIMEOUT, proxy=True, env=env)
+    c.launch_all("long-a", "long-b")
+    n = 4 * SHARD_SIZE
+    job_id = c.submit(n)
+    wait_until(lambda: running_shard(c, job_id, min_stored=1) is not None, 300, "mid-shard")
+    assert c.proxy is not None
+    c.proxy.cut()
+    t_fault = time.monotonic()
+    time.sleep(90)
+    shards = shard_rows(c.engine, job_id)  # the test reaches Postgres directly
+    stalled = [s["shard"] for s in shards if s["state"] == "running"]
+    queued = [s["shard"] for s in shards if s["state"] == "queued"]
+    gave_up = sum(p.read_text().count("raised unexpected: OperationalError") for p in c.logs)
+    assert stalled and gave_up >= len(stalled), c.tail()
+    c.proxy.restore()
+    t_back = time.monotonic()
+    reclaimed: dict[str, float] = {}
+
+    def done() -> bool:
+        if not reclaimed and any(s["lost_attempts"] for s in shard_rows(c.engine, job_id)):
+            reclaimed["s"] = time.monotonic() - t_back
+        return finished(c.engine, job_id)()
+
+    c.wait(done, 300, "job after the long outage")
+    complete = time.monotonic()
+    report = check_exactly_once(c, job_id, n)
+    lost = {s["shard"]: s["lost_attempts"] for s in shard_rows(c.engine, job_id)}
+    assert all(lost[s] == 1 for s in stalled) and not any(lost[s] for s in queued)
+    waited = sum(p.read_text().count("database unreachable, retrying in") for p in c.logs)
+    record(
+        "Postgres unreachable 90 s, longer than the retries",
+        samples=n,
+        faults=f"all worker connections cut for 90 s ({c.proxy.refused} connection attempts "
+        "refused), EAGLE2_DB_RETRIES=0",
+        tasks_given_up=gave_up,
+        shards_stalled=stalled,
+        shards_waiting_queued=queued,
+        waits_for_the_database_logged=waited,
+        reclaimed_after_restore_s=round(reclaimed.get("s", float("nan")), 1),
+        lost=report["lost"],
+        duplicated=report["duplicated"],
+        recovery_s=round(complete - t_back, 1),
+        fault_to_complete_s=round(complete - t_fault, 1),
     )
