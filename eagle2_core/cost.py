@@ -52,6 +52,10 @@ MAX_TOKENS = 512  # largest B x n measured; beyond it cost grows linearly in tok
 MAX_PASSES = 6  # passes over the grid at most, until each point's best is confirmed
 CONFIRM = 0.05  # a second run within this share of the best confirms it
 LARGE_TOKENS = 64  # B x n above which one pass suffices
+# --batch-size auto: batch sizes measured up to this many rows, and how close to the best
+# measured rate a smaller batch may come and still be chosen.
+MAX_AUTO_BATCH = 256
+THROUGHPUT_SLACK = 0.03
 
 
 @dataclass
@@ -91,6 +95,17 @@ class CostModel:
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if not k.startswith("_")})
+
+
+def throughput_batch(costs: CostModel, max_rows: int, largest: int) -> int:
+    """The batch size whose plain decoding step gives the most tokens per second on this
+    device (costs.verify(B, 1) at the table's context), among the measured sizes up to
+    `largest` and `max_rows` (what memory holds); the smallest within THROUGHPUT_SLACK of
+    the best, since a smaller batch drains a shard's tail faster and holds less cache."""
+    sizes = sorted({min(b, max_rows) for b in costs.batch_grid if b <= largest} | {1})
+    rates = {b: b / costs.verify(b, 1) for b in sizes}
+    best = max(rates.values())
+    return min(b for b, rate in rates.items() if rate >= (1 - THROUGHPUT_SLACK) * best)
 
 
 def _interp(xs: list[int], ys: list[float | None], x: float) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from eagle2_core.config import DEFAULT_BATCH_SIZE, DecodeConfig
-from eagle2_core.cost import CostModel, load_or_measure
+from eagle2_core.cost import MAX_AUTO_BATCH, CostModel, load_or_measure, throughput_batch
 from eagle2_core.decoder import BatchDecoder
 from eagle2_core.draft import DraftHead, load_draft, new_draft_head, read_config
 from eagle2_core.drafters import Drafter, StaticDrafter
@@ -38,6 +38,21 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+AUTO_ROW_SLOTS = 1024  # tokens of cache a row is budgeted for when sizing an auto batch
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for the cache: the GPU's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30  # no /proc (not Linux): assume a modest 8 GiB
 
 
 class Engine:
@@ -71,6 +86,17 @@ class Engine:
         if self._costs is None or max(self._costs.batch_grid) < largest:
             self._costs = load_or_measure(self.target, self.lean_head, largest, on_measure)
         return self._costs
+
+    def auto_batch_size(self, on_measure: Callable[[Path], object] | None = None) -> int:
+        """--batch-size auto: the rows at once that maximise plain decoding's tokens/s
+        in this device's cost table (measured up to MAX_AUTO_BATCH rows), within what
+        half of the free memory holds as cache rows of AUTO_ROW_SLOTS tokens."""
+        costs = self.costs(MAX_AUTO_BATCH, on_measure)
+        lean, target = self.target.lean, self.target
+        element = torch.empty((), dtype=target.dtype).element_size()
+        row = 2 * len(lean.layers) * lean.shape.kv_heads * lean.shape.dim * element
+        max_rows = max(1, int(free_memory(target.device) / 2 // (row * AUTO_ROW_SLOTS)))
+        return throughput_batch(costs, max_rows, MAX_AUTO_BATCH)
 
     def drafter_for(self, config: DecodeConfig) -> Drafter | None:
         """A row-by-row drafter for the mode: EAGLE-1's static tree, or none (plain

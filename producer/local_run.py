@@ -74,7 +74,7 @@ def unfinished_job(engine: Engine, input_path: Path, spec: JobSpec) -> dict[str,
     return None
 
 
-def _load_decoder(spec: JobSpec, device: str, batch_size: int | None) -> Any:
+def _load_decoder(spec: JobSpec, device: str, batch_size: int | str | None) -> Any:
     from eagle2_core.draft import DraftCheckpointError
     from eagle2_core.precision import resolve_dtype
     from eagle2_core.registry import DraftUnavailableError, ModelLoadError
@@ -91,8 +91,8 @@ def _load_decoder(spec: JobSpec, device: str, batch_size: int | None) -> Any:
 
 def _announce_measuring(path: Path) -> None:
     print(
-        "measuring this machine's forward costs for --total-tokens auto (once, about half "
-        f"a minute on a CPU; cached in {path})",
+        "measuring this machine's forward costs for --batch-size auto and --total-tokens "
+        f"auto (once, about a minute on a CPU; cached in {path})",
         file=sys.stderr,
         flush=True,
     )
@@ -142,7 +142,7 @@ def run_job(
     database_url: str,
     out: Path,
     device: str = "cpu",
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     new_job: bool = False,
     strict: bool = False,
 ) -> LocalRun:
@@ -163,8 +163,10 @@ def run_job(
         else:
             job_id, _ = build_job(engine, input_path, spec, strict=strict)
         decoder = _load_decoder(spec, device, batch_size)
+        decoder.on_measure = _announce_measuring
         if spec.mode == "eagle2" and spec.params.get("total_tokens") == AUTO:
             decoder.engine.costs(decoder.batch_size, on_measure=_announce_measuring)
+        print(f"decoding {decoder.batch_size} sequences at once", file=sys.stderr, flush=True)
         try:
             _decode(engine, decoder, job_id, out)
         except KeyboardInterrupt:

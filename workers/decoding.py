@@ -9,14 +9,15 @@ an exception, so one bad prompt cannot stop its shard.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle2_core.config import DEFAULT_BATCH_SIZE, JOB_DECODE_KEYS, MODES, DecodeConfig
+from eagle2_core.config import AUTO, JOB_DECODE_KEYS, MODES, DecodeConfig
 from eagle2_core.engine import (
     BatchDecoder,
     Engine,
@@ -75,16 +76,19 @@ class SampleDecoder:
         draft: str | None,
         mode: str = "eagle2",
         device: str | None = None,
-        batch_size: int | None = None,
+        batch_size: int | str | None = None,
     ) -> None:
         """Wrap an already built engine (tests build tiny ones in code).
 
         `model` and `draft` are the names written to every row; `device` the
         hardware label (default: described from the target's device); `batch_size`
-        the sequences decoded at once (default: DEFAULT_BATCH_SIZE).
+        the sequences decoded at once: a number, or `auto` (the default) for the size
+        this device's cost table says decodes fastest (Engine.auto_batch_size, decided
+        when first needed: it may measure the device).
         """
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        batch_size = AUTO if batch_size is None else batch_size
+        if batch_size != AUTO and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be 'auto' or >= 1, got {batch_size!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode != "vanilla" and engine.draft_head is None:
@@ -94,7 +98,16 @@ class SampleDecoder:
         self.draft = draft if mode != "vanilla" else None
         self.mode = mode
         self.device = device or describe_device(engine.target.device, engine.target.dtype)
-        self.batch_size = batch_size or DEFAULT_BATCH_SIZE
+        self._batch_size = batch_size
+        self.on_measure: Callable[[Path], object] | None = None  # told before costs are measured
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences decoded at once (auto resolved on first use)."""
+        if self._batch_size == AUTO:
+            self._batch_size = self.engine.auto_batch_size(self.on_measure)
+            log.info("batch size auto: %d sequences at once", self._batch_size)
+        return int(self._batch_size)
 
     @classmethod
     def load(
@@ -106,7 +119,7 @@ class SampleDecoder:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         target: Target | None = None,
-        batch_size: int | None = None,
+        batch_size: int | str | None = None,
     ) -> SampleDecoder:
         """Load the target and draft head once.
 

@@ -113,7 +113,7 @@ def plan_workers(
     hostname: str | None = None,
     model: str | None = None,
     draft: str | None = None,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     dtype: str | None = None,
     queues: Sequence[str] = (),
     loglevel: str = "INFO",

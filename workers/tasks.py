@@ -23,6 +23,7 @@ from celery.signals import worker_process_init
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from eagle2_core.config import AUTO
 from workers import db
 from workers.celery_app import app, queue_for
 from workers.settings import Settings, load_settings
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 WORKER_MODEL_ENV = "EAGLE2_WORKER_MODEL"  # the one model this process serves
 WORKER_DRAFT_ENV = "EAGLE2_WORKER_DRAFT"  # this host's draft head, instead of the job's
 WORKER_DEVICE_ENV = "EAGLE2_WORKER_DEVICE"  # 'cuda' or 'cpu'
-WORKER_BATCH_ENV = "EAGLE2_WORKER_BATCH_SIZE"  # sequences at once (unset: DEFAULT_BATCH_SIZE)
+WORKER_BATCH_ENV = "EAGLE2_WORKER_BATCH_SIZE"  # sequences at once (unset or 'auto': measured)
 WORKER_DTYPE_ENV = "EAGLE2_WORKER_DTYPE"  # this host's dtype, instead of the job's
 DB_RETRIES_ENV = "EAGLE2_DB_RETRIES"
 
@@ -164,7 +165,8 @@ def decoder_for(job: dict[str, Any]) -> SampleDecoder:
     target = _state.target
     if target is None or _state.model != job["model"] or target.dtype != dtype:
         target = _load_target(job["model"], job_dtype)
-    batch_size = int(os.environ.get(WORKER_BATCH_ENV) or 0) or None
+    given = os.environ.get(WORKER_BATCH_ENV) or AUTO
+    batch_size = int(given) if given.isdigit() else AUTO
     decoder = SampleDecoder.load(
         job["model"],
         draft,

@@ -73,6 +73,41 @@ class TreeSize(click.ParamType):
         return number
 
 
+class BatchSize(click.ParamType):
+    """--batch-size: 'auto' or a number of sequences >= 1."""
+
+    name = "auto|N"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or value == AUTO:
+            return value
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+        if number < 1:
+            self.fail(f"{value!r} is neither 'auto' nor an integer >= 1", param, ctx)
+        return number
+
+
+BATCH_SIZE_HELP = (
+    "Sequences decoded at once (continuous batching; outputs do not change). 'auto' picks "
+    "the size that decodes fastest in this machine's measured cost table (up to 256, "
+    "within what half the free memory holds)."
+)
+
+
+def batch_size_option(default: str | None = AUTO, extra_help: str = "") -> Decorator:
+    """--batch-size auto|N."""
+    return click.option(
+        "--batch-size",
+        type=BatchSize(),
+        default=default,
+        show_default=default is not None,
+        help=BATCH_SIZE_HELP + extra_help,
+    )
+
+
 TREE_SIZE_HELP = (
     "Tree nodes verified per EAGLE-2 round. 'auto' sizes every round's tree to this "
     "device's measured forward costs and the draft's confidence (it shrinks to the root "

@@ -8,9 +8,8 @@ from typing import Any
 
 import click
 
-from eagle2_core.config import DEFAULT_BATCH_SIZE
 from producer.cli.common import exit_for, spec_from_options, user_errors
-from producer.cli.options import input_argument, job_options, settings_for
+from producer.cli.options import batch_size_option, input_argument, job_options, settings_for
 from producer.creation import format_plan, plan_input
 from producer.local_run import format_run, run_job
 
@@ -24,12 +23,7 @@ from producer.local_run import format_run, run_job
     show_default=True,
     help="Where to decode: cpu, cuda or cuda:N (bf16 on GPUs, fp32 on CPUs).",
 )
-@click.option(
-    "--batch-size",
-    type=click.IntRange(1),
-    help="Sequences decoded at once (continuous batching; outputs do not change). "
-    f"Default: {DEFAULT_BATCH_SIZE}.",
-)
+@batch_size_option()
 @click.option(
     "--new-job",
     is_flag=True,
@@ -37,7 +31,7 @@ from producer.local_run import format_run, run_job
     "exists under --out (default: resume that one).",
 )
 def run(
-    input_path: Path, device: str, batch_size: int | None, new_job: bool, **options: Any
+    input_path: Path, device: str, batch_size: int | str, new_job: bool, **options: Any
 ) -> None:
     """Run a whole job in this process: no Redis, no Postgres, no workers to start.
 

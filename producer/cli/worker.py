@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from eagle2_core.config import DEFAULT_BATCH_SIZE
-from producer.cli.options import DTYPE_HELP, dtype_option
+from producer.cli.options import DTYPE_HELP, batch_size_option, dtype_option
 from workers.launcher import (
     CONCURRENCY_NOTE,
     LaunchError,
@@ -44,12 +43,7 @@ from workers.launcher import (
     default=None,
     help="Draft head directory on this host, used instead of the job's (or 'random').",
 )
-@click.option(
-    "--batch-size",
-    type=click.IntRange(1),
-    default=None,
-    help=f"Samples each process decodes at once (default: {DEFAULT_BATCH_SIZE}).",
-)
+@batch_size_option(extra_help=" Per worker process.")
 @dtype_option(
     default=None,
     help=DTYPE_HELP + " Default: each job's own --dtype; given here, it wins for this host.",
@@ -72,7 +66,7 @@ def worker(
     queues: str | None,
     model: str | None,
     draft: str | None,
-    batch_size: int | None,
+    batch_size: int | str,
     dtype: str | None,
     hostname: str | None,
     loglevel: str,

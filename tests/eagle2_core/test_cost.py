@@ -73,3 +73,44 @@ def test_stale_or_too_small_tables_are_measured_again(engine_parts, tmp_path, mo
     path.write_text("{not json")
     load_or_measure(target, head, max_batch=8)
     assert calls == [8, 8, 8]
+
+
+def table(step_ms: dict[int, float]) -> CostModel:
+    """A table of plain-decoding steps only: B rows cost step_ms[B]."""
+    grid = sorted(step_ms)
+    return CostModel(
+        key="k",
+        measured_at=0.0,
+        batch_grid=grid,
+        tree_grid=[1],
+        verify_ms=[[step_ms[b]] for b in grid],
+        width_grid=[1],
+        draft_ms=[[0.0] for _ in grid],
+        key_ms=0.0,
+    )
+
+
+def test_auto_batch_takes_the_fastest_size_or_a_smaller_one_as_fast():
+    # tokens/s: 1/10, 16/40 = 0.4, 64/100 = 0.64, 256/390 = 0.656 (within 3% of 64's)
+    costs = table({1: 10.0, 16: 40.0, 64: 100.0, 256: 390.0})
+    assert cost.throughput_batch(costs, max_rows=1000, largest=256) == 64
+    assert cost.throughput_batch(costs, max_rows=1000, largest=16) == 16
+    # memory holds 40 rows: the best size that fits
+    assert cost.throughput_batch(costs, max_rows=40, largest=256) == 40
+    # a step that keeps getting cheaper per token keeps growing
+    assert cost.throughput_batch(table({1: 10.0, 64: 100.0, 256: 200.0}), 1000, 256) == 256
+
+
+def test_an_engine_sizes_its_auto_batch_by_the_table_and_free_memory(tmp_path, monkeypatch):
+    from eagle2_core import engine as engine_module
+    from eagle2_core.engine import AUTO_ROW_SLOTS, Engine
+
+    monkeypatch.setenv("EAGLE2_CACHE_DIR", str(tmp_path))
+    target = tiny_target(eos=None)
+    engine = Engine(target)
+    chosen = engine.auto_batch_size()
+    assert chosen in engine.costs().batch_grid and max(engine.costs().batch_grid) == 256
+    lean = target.lean
+    row = 2 * len(lean.layers) * lean.shape.kv_heads * lean.shape.dim * 4 * AUTO_ROW_SLOTS
+    monkeypatch.setattr(engine_module, "free_memory", lambda device: 2 * 3 * row)
+    assert engine.auto_batch_size() <= 3  # half the free memory holds 3 rows

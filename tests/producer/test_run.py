@@ -163,6 +163,7 @@ def test_run_in_bf16_is_stored_with_the_job_and_on_every_row(
         "--max-new-tokens", "5", "--total-tokens", "6", "--dtype", "bf16", cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert "sequences at once" in done.stderr  # --batch-size auto, from the cost table
     job_id = done.stdout.strip().splitlines()[-1]
     table = read_job_parquet(out, job_id)
     assert set(table.column("device").to_pylist()) == {"cpu bf16"}

@@ -198,3 +198,11 @@ def test_load_by_name_from_disk_and_random_head_warns(tmp_path, caplog):
         rand = SampleDecoder.load(str(model_dir), "random", "eagle1", target=loaded.engine.target)
     assert "RANDOM, UNTRAINED DRAFT HEAD" in caplog.text
     assert rand.engine.target is loaded.engine.target and rand.draft == "random"
+
+
+def test_an_auto_batch_size_is_read_from_the_cost_table(decoder, monkeypatch):
+    auto = SampleDecoder(decoder.engine, model="tiny-llama", draft="tiny-eagle")
+    monkeypatch.setattr(decoder.engine, "auto_batch_size", lambda on_measure=None: 48)
+    assert auto.batch_size == 48 and auto.batch_size == 48
+    with pytest.raises(ValueError, match="'auto' or >= 1"):
+        SampleDecoder(decoder.engine, model="m", draft=None, mode="vanilla", batch_size=0)
