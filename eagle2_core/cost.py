@@ -52,9 +52,10 @@ MAX_TOKENS = 512  # largest B x n measured; beyond it cost grows linearly in tok
 MAX_PASSES = 6  # passes over the grid at most, until each point's best is confirmed
 CONFIRM = 0.05  # a second run within this share of the best confirms it
 LARGE_TOKENS = 64  # B x n above which one pass suffices
-# --batch-size auto: batch sizes measured up to this many rows, and how close to the best
-# measured rate a smaller batch may come and still be chosen.
-MAX_AUTO_BATCH = 256
+# --batch-size auto: batch sizes measured up to this many rows (a GPU's; a CPU's gain ends
+# far sooner, BENCHMARKS.md), and how close to the best measured rate a smaller batch may
+# come and still be chosen.
+MAX_AUTO_BATCH = {"cuda": 256, "cpu": 128}
 THROUGHPUT_SLACK = 0.03
 
 
@@ -260,6 +261,7 @@ def measure(target: Target, head: LeanHead | None, max_batch: int, key: str = ""
         if (b, context) not in caches:
             caches.clear()  # one at a time: a large batch's cache is hundreds of MB
             kv = caches[(b, context)] = target.kv()
+            kv.reserve(b, context + max(TREE_GRID))
             for _ in range(b):
                 kv.add_row(context)
             kv.reserve_new(max(TREE_GRID))

@@ -202,6 +202,7 @@ class BatchDecoder:
         return finished
 
     def _round(self) -> None:
+        self._sort_rows()
         started = time.perf_counter()
         context_lens = [s.context_len for s in self.rows]
         caps = [
@@ -371,14 +372,28 @@ class BatchDecoder:
         for i in gone:
             self._retire(self.rows[i])
         order = self.kv.remove_rows(gone)
+        if self.dynamic is not None and self.dynamic.remove_rows(gone) != order:
+            raise AssertionError("the draft cache's rows left the target's order")
+        self._follow(order)
+
+    def _sort_rows(self) -> None:
+        """Rows longest first again when chunked attention would read much less so
+        (RaggedKV.sorting_order); the draft cache and each row's state follow."""
+        order = self.kv.sorting_order()
+        if order is None:
+            return
+        self.kv.reorder(order)
         if self.dynamic is not None:
-            if self.dynamic.remove_rows(gone) != order:
-                raise AssertionError("the draft cache's rows left the target's order")
-            if order:
-                index = torch.tensor(order, device=self.target.device)
-                self.fresh = Fresh(
-                    self.fresh.features[index], self.fresh.tokens[index], self.fresh.lengths[index]
-                )
+            self.dynamic.kv.reorder(order)
+        self._follow(order)
+
+    def _follow(self, order: list[int]) -> None:
+        """The per-row state takes the caches' new row order (new row i = old order[i])."""
+        if self.dynamic is not None and order:
+            index = torch.tensor(order, device=self.target.device)
+            self.fresh = Fresh(
+                self.fresh.features[index], self.fresh.tokens[index], self.fresh.lengths[index]
+            )
         self.rows = [self.rows[i] for i in order]
 
     def _retire(self, seq: Sequence) -> None:

@@ -20,6 +20,11 @@ import torch
 # share of the slots: holes cost attention work, a compaction costs one copy of the cache.
 MIN_FILL = 0.5
 _GROW = 64  # slot capacity is a multiple of this
+# RaggedKV: attention runs over chunks of this many consecutive rows, each reading only its
+# own longest row's slots; rows are re-sorted by length when sorting would cut the slots
+# attention reads by at least RESORT_GAIN (BENCHMARKS.md, "Batched decoding").
+CHUNK_ROWS = 16
+RESORT_GAIN = 0.1
 
 
 class BatchKV:
@@ -96,6 +101,11 @@ class BatchKV:
         self._trim()
         self._maybe_compact()
         return order
+
+    def reorder(self, order: list[int]) -> None:
+        """Rows move: new row i is old row order[i] (a permutation)."""
+        _permute_rows(self.keys, self.values, order, self.slots)
+        self.valid = self.valid[torch.tensor(order, dtype=torch.long, device=self.device)]
 
     def tree_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
         """Bool mask [B, 1, N, slots + N] for N new tokens per row that see the row's valid
@@ -184,13 +194,30 @@ def _fill_holes(keys: torch.Tensor, values: torch.Tensor, rows: int, gone: list[
     return order
 
 
+def _permute_rows(keys: torch.Tensor, values: torch.Tensor, order: list[int], slots: int) -> None:
+    """Rows 0..len(order)-1 take rows order[i]'s first `slots` slots, a layer at a time (so
+    the copy in flight is one layer's, not the cache's)."""
+    index = torch.tensor(order, dtype=torch.long, device=keys.device)
+    for store in (keys, values):
+        for layer in range(store.shape[0]):
+            store[layer, : len(order), :, :slots] = store[layer, index, :, :slots]
+
+
+def chunk_cost(lens: list[int], size: int = CHUNK_ROWS) -> int:
+    """Slots attention reads over rows of these lengths, in chunks of `size` rows that
+    each read their longest row's length."""
+    return sum(len(lens[a : a + size]) * max(lens[a : a + size]) for a in range(0, len(lens), size))
+
+
 @dataclass(frozen=True)
 class RowStarts:
     """Where a forward writes each row's new entries: slots starts[b] .. starts[b] + n of
-    row b, and how many slots attention reads (span = the longest row + n)."""
+    row b, and how many slots attention reads (span = the longest row + n); chunks:
+    (first row, end row, span) of each chunk of rows when attention reads them apart."""
 
     starts: torch.Tensor  # [B]
     span: int
+    chunks: tuple[tuple[int, int, int], ...] = ()
 
 
 class RaggedKV:
@@ -241,12 +268,14 @@ class RaggedKV:
         rows = rows if rows is not None else slice(0, self.rows)
         return self.keys[:, rows], self.values[:, rows]
 
+    def reserve(self, rows: int, slots: int) -> None:
+        """Capacity for `rows` rows of `slots` slots at once (no doubling on the way)."""
+        self.keys, self.values = _grown(self.keys, self.values, rows, slots, self.rows, self.slots)
+
     def add_row(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A new last row whose first `length` slots the caller fills (a prefill): returns
         that row's key and value views [layers, 1, kv_heads, slots, head_dim]."""
-        self.keys, self.values = _grown(
-            self.keys, self.values, self.rows + 1, length, self.rows, self.slots
-        )
+        self.reserve(self.rows + 1, length)
         self.lens.append(length)
         return self.layer_views(slice(self.rows - 1, self.rows))
 
@@ -263,12 +292,38 @@ class RaggedKV:
         return order
 
     def reserve_new(self, n: int) -> RowStarts:
-        """Room for n new entries after each row's own; where a forward writes them."""
+        """Room for n new entries after each row's own; where a forward writes them, and
+        the chunks of rows attention reads apart (each up to its own longest row)."""
         span = self.slots + n
         self.keys, self.values = _grown(
             self.keys, self.values, self.rows, span, self.rows, self.slots
         )
-        return RowStarts(self.lengths, span)
+        chunks = ()
+        if self.rows > CHUNK_ROWS:
+            lens = self.lens
+            chunks = tuple(
+                (a, min(a + CHUNK_ROWS, self.rows), max(lens[a : a + CHUNK_ROWS]) + n)
+                for a in range(0, self.rows, CHUNK_ROWS)
+            )
+        return RowStarts(self.lengths, span, chunks)
+
+    def sorting_order(self) -> list[int] | None:
+        """The rows longest first, when that order would cut the slots chunked attention
+        reads by RESORT_GAIN or more; else None. Rows join in about that order already (a
+        shard decodes longest prompts first); a finished row's place taken by the last
+        row is what disturbs it."""
+        if self.rows <= CHUNK_ROWS:
+            return None
+        order = sorted(range(self.rows), key=self.lens.__getitem__, reverse=True)
+        cost = chunk_cost(self.lens)
+        if chunk_cost([self.lens[i] for i in order]) > (1 - RESORT_GAIN) * cost:
+            return None
+        return order
+
+    def reorder(self, order: list[int]) -> None:
+        """Rows move: new row i is old row order[i] (a permutation)."""
+        _permute_rows(self.keys, self.values, order, self.slots)
+        self.lens = [self.lens[i] for i in order]
 
     def tree_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
         """Bool mask [B, 1, N, span] for N new tokens per row, written after the row's own

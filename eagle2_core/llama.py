@@ -125,6 +125,7 @@ class Writes:
     start: int
     index: torch.Tensor | None
     span: int
+    chunks: tuple[tuple[int, int, int], ...] = ()  # (first row, end row, span): RowStarts
 
     @classmethod
     def of(cls, start: int | RowStarts, b: int, t: int, shape: HeadShape, device) -> Writes:
@@ -132,7 +133,7 @@ class Writes:
             return cls(start, None, start + t)
         slots = start.starts.to(device)[:, None] + torch.arange(t, device=device)[None]
         index = slots[:, None, :, None].expand(b, shape.kv_heads, t, shape.dim)
-        return cls(0, index, start.span)
+        return cls(0, index, start.span, start.chunks)
 
 
 def attend(
@@ -147,13 +148,26 @@ def attend(
     """Write k, v [B, kv_heads, T, D] into the layer's cache [B, kv_heads, S, D] where
     `writes` says and attend q [B, heads, T, D] over its first span slots. mask
     [B, 1, T, span] bool (True = visible); None = causal over a cache that holds nothing
-    before slot 0."""
+    before slot 0. With chunks, each chunk of rows reads only up to its own span: rows of
+    different lengths do not all pay for the longest (attention reads every slot it is
+    given, masked or not, and at a batch's size that read is most of its time)."""
     if writes.index is None:
         keys[:, :, writes.start : writes.span] = k
         values[:, :, writes.start : writes.span] = v
     else:
         keys.scatter_(2, writes.index, k)
         values.scatter_(2, writes.index, v)
+    if writes.chunks:
+        out = torch.empty_like(q)
+        for a, b, span in writes.chunks:
+            out[a:b] = F.scaled_dot_product_attention(
+                q[a:b],
+                keys[a:b, :, :span],
+                values[a:b, :, :span],
+                attn_mask=mask[a:b, :, :, :span],
+                enable_gqa=True,
+            )
+        return out
     return F.scaled_dot_product_attention(
         q,
         keys[:, :, : writes.span],

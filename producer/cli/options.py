@@ -92,8 +92,8 @@ class BatchSize(click.ParamType):
 
 BATCH_SIZE_HELP = (
     "Sequences decoded at once (continuous batching; outputs do not change). 'auto' picks "
-    "the size that decodes fastest in this machine's measured cost table (up to 256, "
-    "within what half the free memory holds)."
+    "the size that decodes fastest in this machine's measured cost table (up to 128 on a "
+    "CPU, 256 on a GPU, within what half the free memory holds)."
 )
 
 

@@ -7,6 +7,7 @@ import torch
 
 from eagle2_core.config import DecodeConfig
 from eagle2_core.engine import BatchDecoder, Engine
+from eagle2_core.kv import RaggedKV
 from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
 
 LENGTHS = (1, 70, 5, 140, 23, 3, 9, 40, 2, 60)
@@ -155,3 +156,27 @@ def test_completions_of_one_prompt_share_its_prefill(tiny, mode, monkeypatch):
     assert len({tuple(t) for t in alone}) == 4  # the sampled ones really differ
     assert forwards.count(len(prompt)) == 2  # once for 0-1, again after "other" for 2-again
     assert forwards.count(len(other)) == 1
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle2"])
+def test_a_wide_batch_in_chunks_and_resorted_equals_generate_alone(tiny, mode, monkeypatch):
+    """More rows than an attention chunk, of very different lengths, finishing at different
+    times: rows are read in chunks of their own lengths and re-sorted as they leave."""
+    target, engine = tiny
+    lengths = [
+        int(x) for x in torch.randint(1, 160, (40,), generator=torch.Generator().manual_seed(7))
+    ]
+    news = [5 + (7 * i) % 40 for i in range(40)]
+    items = [
+        (i, p, DecodeConfig(mode=mode, max_new_tokens=n, total_tokens=6))
+        for i, (p, n) in enumerate(zip(prompts(96, tuple(lengths), seed=2), news, strict=True))
+    ]
+    sorts = []
+    real = RaggedKV.reorder
+    monkeypatch.setattr(
+        RaggedKV, "reorder", lambda kv, order: sorts.append(order) or real(kv, order)
+    )
+    got = dict(engine.generate_batch(items, batch_size=40))
+    assert sorts  # rows were re-sorted on the way
+    for i, prompt, config in items:
+        assert got[i].token_ids == hf_greedy(target, prompt, config.max_new_tokens), i

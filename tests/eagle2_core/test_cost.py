@@ -109,7 +109,7 @@ def test_an_engine_sizes_its_auto_batch_by_the_table_and_free_memory(tmp_path, m
     target = tiny_target(eos=None)
     engine = Engine(target)
     chosen = engine.auto_batch_size()
-    assert chosen in engine.costs().batch_grid and max(engine.costs().batch_grid) == 256
+    assert chosen in engine.costs().batch_grid and max(engine.costs().batch_grid) == 128
     lean = target.lean
     row = 2 * len(lean.layers) * lean.shape.kv_heads * lean.shape.dim * 4 * AUTO_ROW_SLOTS
     monkeypatch.setattr(engine_module, "free_memory", lambda device: 2 * 3 * row)

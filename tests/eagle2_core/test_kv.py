@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle2_core.kv import BatchKV, RaggedKV, RowStarts
+from eagle2_core.kv import BatchKV, RaggedKV, RowStarts, chunk_cost
 from eagle2_core.tree import DraftTree, stack
 
 
@@ -164,3 +164,20 @@ def test_ragged_tree_mask_sees_each_rows_own_entries_and_branch():
     assert visible[0, :2].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]
     assert visible[0, 2, 3:].tolist() == [0, 0, 1]  # padding sees only itself among the new
     assert visible[1].tolist() == [[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0]]
+
+
+def test_ragged_rows_are_read_in_chunks_and_sorted_when_that_pays():
+    kv = new_ragged()
+    # rows that joined in no order of length: long and short ones alternate
+    lengths = [n for i in range(20) for n in (100 - i, 5 + i % 3)][:36]
+    for n in lengths:
+        add_ragged(kv, [float(n)] * n)
+    start = kv.reserve_new(2)
+    assert [c[:2] for c in start.chunks] == [(0, 16), (16, 32), (32, 36)]
+    assert [c[2] for c in start.chunks] == [102, 94, 86]  # each chunk's own longest + 2
+    assert chunk_cost(kv.lens) == 16 * 100 + 16 * 92 + 4 * 84
+    order = kv.sorting_order()
+    assert order is not None and [kv.lens[i] for i in order] == sorted(lengths, reverse=True)
+    kv.reorder(order)
+    assert ragged_contents(kv) == [[float(n)] * n for n in sorted(lengths, reverse=True)]
+    assert kv.sorting_order() is None  # sorted already
