@@ -24,6 +24,7 @@ from sqlalchemy import select
 
 from eagle2_core.config import DecodeConfig
 from eagle2_core.registry import ModelLoadError
+from producer.database import open_database, safe_url
 from producer.inputs import DEFAULT_SHARD_SIZE
 from producer.jobs import JobError, make_spec
 from producer.local_run import format_run, run_job
@@ -33,13 +34,16 @@ from producer.training_data import (
     Prompt,
     TrainingError,
     build_conversations,
+    job_conversations,
     prompt_lines,
     read_conversations,
     select_prompts,
 )
 from producer.training_heads import measure_tau, save_head, snapshots, starting_head
-from workers.db import iter_samples, make_engine
+from workers.db import get_job, iter_samples, make_engine
+from workers.job_answers import iter_job_answers
 from workers.schema import jobs_t
+from workers.settings import load_settings
 
 _DEFAULTS = DecodeConfig()
 
@@ -76,6 +80,8 @@ class DraftTraining:
     arch: str = "eagle2"  # eagle2: the EAGLE-1/2 head; eagle3: fused layers + training-time test
     ttt_steps: int = 3  # eagle3: draft steps unrolled per batch
     eagle3_features: bool = False  # store EAGLE-3 layer states even for an EAGLE-2 head
+    from_job: str | None = None  # a finished job whose answers to train on
+    db_url: str | None = None  # the database that holds it (default: EAGLE2_DATABASE_URL)
 
     @property
     def answering(self) -> AnswerSettings:
@@ -195,6 +201,26 @@ def ensure_answers(
     return read_answers(directory)
 
 
+def job_answers(target: Any, training: DraftTraining) -> tuple[list, list]:
+    """Training and validation conversations from a finished job's own answers (its
+    manifest's prompts and system prompt, its ok samples; failed and rejected lines left
+    out), split by the usual hash rule."""
+    url = training.db_url or load_settings().database_url
+    with open_database(url) as engine:
+        job = get_job(engine, training.from_job)
+        if job is None:
+            raise TrainingError(f"--from-job: no job {training.from_job} in {safe_url(url)}")
+        if job["model"] != training.model:
+            raise TrainingError(
+                f"--from-job: job {training.from_job} ran model {job['model']!r}, not "
+                f"{training.model!r}: pass --model {job['model']}"
+            )
+        answers = iter_job_answers(engine, training.from_job)
+        return job_conversations(
+            target, answers, training.max_conversations, training.val_samples, training.max_len
+        )
+
+
 def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
     """Every stage, from the answers to the head; (the head's folder, the summary that
     OUT/summary.json holds). Raises TrainingError (a JobError) with the reason."""
@@ -228,6 +254,10 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
         given_train, given_val = read_conversations(
             target, path, training.max_conversations, training.val_samples, training.max_len
         )
+        train_convs += given_train
+        val_convs += given_val
+    if training.from_job is not None:
+        given_train, given_val = job_answers(target, training)
         train_convs += given_train
         val_convs += given_val
     if not train_convs:
@@ -305,6 +335,7 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
         "model": training.model,
         "prompts": training.prompts.name if training.prompts is not None else None,
         "conversations": [path.name for path in training.conversations],
+        "from_job": training.from_job,
         "temperature": training.temperature,
         "max_new_tokens": training.max_new_tokens,
         "train_conversations": len(train_convs),

@@ -5,7 +5,7 @@ its prefix (and the answers and feature shards already made stay valid)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,3 +119,40 @@ def read_conversations(
         return [c for c in made if c is not None]
 
     return convert(train_lines), convert(val_lines)
+
+
+def job_conversations(
+    target: Target, answers: Iterable[dict[str, Any]], max_train: int, max_val: int, max_len: int
+) -> tuple[list[Conversation], list[Conversation]]:
+    """A finished job's answers (workers.job_answers) as training and validation
+    conversations: each prompt (system message and all) with its answers, turn by turn.
+
+    Split by the request's id with the usual hash rule, so the n completions of one
+    prompt land on the same side; picked in the same hash order as the other sources (a
+    larger --max-conversations keeps a smaller pick as its prefix)."""
+    from eagle2_core.train.data import conversation_from_messages, is_validation
+
+    items = sorted(answers, key=lambda a: (_rank(a["request_id"]), a["sample_id"]))
+    train = [a for a in items if not is_validation(str(a["request_id"]))]
+    val = [a for a in items if is_validation(str(a["request_id"]))][:max_val]
+    if max_train:
+        train = train[:max_train]
+
+    def convert(rows: list[dict[str, Any]]) -> list[Conversation]:
+        made = []
+        for a in rows:
+            messages = list(a["messages"])
+            user_turns = [None, *a["followups"]][: len(a["turn_outputs"])]
+            for user, answer in zip(user_turns, a["turn_outputs"], strict=True):
+                if user is not None:
+                    messages.append({"role": "user", "content": user})
+                messages.append({"role": "assistant", "content": answer})
+            closed = a["finish_reason"] != "length"
+            made.append(
+                conversation_from_messages(
+                    target.tokenizer, str(a["sample_id"]), messages, max_len, closed=closed
+                )
+            )
+        return [c for c in made if c is not None]
+
+    return convert(train), convert(val)

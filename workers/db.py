@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
+    Connection,
     Engine,
     Select,
     create_engine,
@@ -385,20 +386,27 @@ def pending_requests(engine: Engine, job_id: str, shard: int) -> list[dict[str, 
     )
     with engine.connect() as conn:
         rows = [dict(r) for r in conn.execute(stmt).mappings()]
-        shared = sorted(
-            {r["payload"].get("request_id") for r in rows if "messages" not in r["payload"]}
-            - {None}
+        return with_shared_prompts(conn, job_id, rows)
+
+
+def with_shared_prompts(
+    conn: Connection, job_id: str, rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Manifest rows (with `payload`) whose conversation is stored once for their request
+    (`prompts`) get it back in their payload."""
+    shared = sorted(
+        {r["payload"].get("request_id") for r in rows if "messages" not in r["payload"]} - {None}
+    )
+    prompts: dict[str, dict[str, Any]] = {}
+    for start in range(0, len(shared), 1000):
+        prompts.update(
+            conn.execute(
+                select(prompts_t.c.request_id, prompts_t.c.payload).where(
+                    prompts_t.c.job_id == job_id,
+                    prompts_t.c.request_id.in_(shared[start : start + 1000]),
+                )
+            ).all()
         )
-        prompts: dict[str, dict[str, Any]] = {}
-        for start in range(0, len(shared), 1000):
-            prompts.update(
-                conn.execute(
-                    select(prompts_t.c.request_id, prompts_t.c.payload).where(
-                        prompts_t.c.job_id == job_id,
-                        prompts_t.c.request_id.in_(shared[start : start + 1000]),
-                    )
-                ).all()
-            )
     for row in rows:
         prompt = prompts.get(row["payload"].get("request_id"))
         if prompt is not None and "messages" not in row["payload"]:

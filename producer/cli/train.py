@@ -50,11 +50,26 @@ def _token_counts(text: str) -> list[int]:
     "trained on, nothing is decoded. Validation-split ids only measure the head. "
     "Repeatable; with --prompts too, all are mixed.",
 )
+@click.option(
+    "--from-job",
+    metavar="JOB",
+    default=None,
+    help="Train on a finished job's own answers: its ok samples with the prompts (and "
+    "system prompt) they answered, read from the job's database (--db-url); failed and "
+    "rejected lines are left out, validation split by the same hash rule. With "
+    "--init-head shipped, fine-tunes the head the job ran with for the next job like it.",
+)
+@click.option(
+    "--db-url",
+    metavar="URL",
+    default=None,
+    help="Database of --from-job (default: EAGLE2_DATABASE_URL, else ./eagle2-out/eagle2.db).",
+)
 @count_option(
     "--max-conversations",
     0,
-    "Training conversations taken from each --conversations file (a fixed hash-ordered "
-    "pick; 0: all of them).",
+    "Training conversations taken from each --conversations file and from --from-job (a "
+    "fixed hash-ordered pick; 0: all of them).",
     minimum=0,
 )
 @click.option(
@@ -182,7 +197,7 @@ def train_draft(
     **options: Any,
 ) -> None:
     """Train an EAGLE draft head for MODEL on its own answers to PROMPTS and/or on
-    CONVERSATIONS that have answers.
+    CONVERSATIONS that have answers, or on a finished job's answers (--from-job).
 
     Stages: answers (for PROMPTS) -> features -> train -> evaluate -> head. The head is
     written to OUT/head and can be passed as --draft; OUT/summary.json holds the numbers.
@@ -194,9 +209,10 @@ def train_draft(
           --prompts train_prompts.jsonl --max-samples 1000 --snapshot-tokens 200000,1000000
       eagle2-batch train-draft --conversations train_conversations.jsonl --out work3/ \\
           --arch eagle3 --max-conversations 2000
+      eagle2-batch train-draft --from-job 3f2a... --init-head shipped --out work4/
     """
-    if prompts is None and not conversations:
-        raise click.UsageError("give --prompts, --conversations or both")
+    if prompts is None and not conversations and options["from_job"] is None:
+        raise click.UsageError("give --prompts, --conversations or --from-job")
     training = DraftTraining(
         prompts=prompts,
         conversations=conversations,

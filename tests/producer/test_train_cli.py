@@ -220,3 +220,53 @@ def test_train_draft_arch_eagle3_writes_a_public_eagle3_head_that_decodes_exactl
         main, [*args[:-2], "--init-head", "shipped", "--model", "smollm2-135m"]
     )
     assert bad.exit_code != 0
+
+
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.integration)]
+)
+def test_train_draft_from_a_finished_job_learns_its_answers(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A job run with `run` (a system prompt, a bad line, a failed sample, n = 2) is the
+    training data: its ok answers with the prompts they answered, split by the hash rule."""
+    from tests.producer.test_jobs import save_tiny_model
+    from workers.db import make_engine
+    from workers.job_answers import iter_job_answers
+
+    model, _ = save_tiny_model(tmp_path, with_draft=False)
+    url = request.getfixturevalue(f"{backend}_url")
+    ids = [f"alpaca-{i:05d}" for i in range(6)] + VALIDATION_IDS[:2]
+    lines = [json.dumps({"id": i, "prompt": f"t{7 + n} t{20 + n}"}) for n, i in enumerate(ids)]
+    lines.insert(3, '{"id": "broken", "prompt": ')  # rejected: never an answer
+    lines.append(json.dumps({"id": "hot", "prompt": "t9", "temperature": -1}))  # rejected
+    lines.append(json.dumps({"id": "twice", "prompt": "t11 t12", "n": 2, "temperature": 0.5}))
+    prompts = tmp_path / "job.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    run = CliRunner().invoke(
+        main,
+        ["run", str(prompts), "--model", str(model), "--mode", "vanilla", "--out",
+         str(tmp_path / "job"), "--db-url", url, "--max-new-tokens", "6", "--system", "t30 t31"],
+    )  # fmt: skip
+    assert run.exit_code == 0, run.output + repr(run.exception)
+    job_id = run.output.strip().splitlines()[-1]
+    engine = make_engine(url)
+    try:
+        answers = list(iter_job_answers(engine, job_id))
+    finally:
+        engine.dispose()
+    assert sorted(a["sample_id"] for a in answers) == sorted([*ids, "twice#0", "twice#1"])
+    assert all(a["messages"][0] == {"role": "system", "content": "t30 t31"} for a in answers)
+    assert {a["request_id"] for a in answers if a["sample_id"].startswith("twice")} == {"twice"}
+
+    out = tmp_path / "out"
+    args = ["train-draft", "--model", str(model), "--from-job", job_id, "--db-url", url]
+    args += ["--out", str(out), *"--epochs 1 --batch-size 4 --eval-samples 0".split()]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["from_job"] == job_id
+    assert summary["validation_conversations"] == 2  # the two validation-split ids
+    assert summary["train_conversations"] == len(answers) - 2
+    wrong = CliRunner().invoke(main, [*args[:2], "smollm2-135m", *args[3:]])
+    assert wrong.exit_code != 0 and "pass --model" in wrong.output
