@@ -18,12 +18,14 @@ from typing import Protocol
 import torch
 
 from eagle2_core.config import AUTO, DEFAULT_BATCH_SIZE, DecodeConfig
+from eagle2_core.controls import controls_for, draft_adjust, process_trees
 from eagle2_core.cost import CostModel
 from eagle2_core.drafters import Drafter
 from eagle2_core.dynamic import DynamicDrafter, FixedPlan, Fresh, cat_fresh, extend_fresh
 from eagle2_core.generation import DecodeStats, Generation, PromptError, seeded_generator
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.llama import forward
+from eagle2_core.logprobs import TokenLogprob, path_logprobs, token_logprobs
 from eagle2_core.models import Target
 from eagle2_core.plan import MAX_NODES, Calibration, Planner
 from eagle2_core.sequence import Prefill, Sequence, decoded_text, finish_reason, first_stop
@@ -53,7 +55,7 @@ class BatchDecoder:
     for one round; finished sequences leave the batch. Each sequence is decoded exactly
     as it would be alone (its own tree, acceptance, cache length, stop and generator);
     only how much is speculated depends on the batch (see plan.py). A batch drafts with
-    the engine's EAGLE-2 (all rows share top_k and depth) or row by row (EAGLE-1, plain
+    the engine's EAGLE-2 (all rows share one tree shape) or row by row (EAGLE-1, plain
     decoding, a drafter passed in), not both. Time is attributed per sequence: its
     prefill and drafting share, plus the batched verify split in proportion to tree size.
     """
@@ -67,7 +69,7 @@ class BatchDecoder:
         self.finished: list[tuple[Hashable, Generation]] = []
         self.dynamic: DynamicDrafter | None = None
         self.fresh: Fresh | None = None  # the dynamic rows' tokens to catch up on
-        self.shape: tuple[int, int] | None = None  # (top_k, depth) of the dynamic rows
+        self.shape: tuple[int, int] | None = None  # (tree_width, tree_depth) of EAGLE-2 rows
         self.rest = self.backoff = 0  # rounds to skip drafting, and the last such pause
         self.prefill: Prefill | None = None
 
@@ -106,7 +108,8 @@ class BatchDecoder:
             )
         stats = DecodeStats()
         if config.max_new_tokens == 0:
-            self.finished.append((key, Generation([], "", "length", len(prompt_ids), stats)))
+            empty = [] if config.logprobs else None
+            self.finished.append((key, Generation([], "", "length", len(prompt_ids), stats, empty)))
             return
         dynamic = drafter is None and config.mode == "eagle2" and self.engine.lean_head is not None
         self._check_kind(dynamic, config)
@@ -119,7 +122,10 @@ class BatchDecoder:
         last_hidden, features = self._prefill(key, prompt_ids, prompt)
         uniforms = Uniforms(generator)
         first = 0.0 if config.sampling.greedy else uniforms.take(1)[0]
-        root = choose_token(target.lm_head(last_hidden), config.sampling, first)
+        logits = target.lm_head(last_hidden)
+        controls = controls_for(config, prompt_ids, target)
+        chosen = logits if controls is None else controls.first_logits(logits)
+        root = choose_token(chosen, config.sampling, first)
         next_tokens = torch.cat([prompt[1:], torch.tensor([root], device=target.device)])
         seq = Sequence(
             key=key,
@@ -132,7 +138,12 @@ class BatchDecoder:
             context_len=len(prompt_ids),
             features=None if dynamic else features,
             next_tokens=None if dynamic else next_tokens,
+            controls=controls,
         )
+        if controls is not None:
+            controls.commit([root])
+        if config.logprobs:
+            seq.logprobs = token_logprobs(logits[None], next_tokens[-1:], config.top_logprobs)
         seq.finish = finish_reason(seq, target)
         if dynamic:
             self._join_dynamic(features, next_tokens)
@@ -164,15 +175,15 @@ class BatchDecoder:
             raise ValueError(
                 "a batch drafts either with the engine's EAGLE-2 head or row by row, not both"
             )
-        shape = (config.top_k, config.depth)
+        shape = (config.tree_width, config.tree_depth)
         if dynamic and self.rows and shape != self.shape:
             raise ValueError(
-                f"a batch's EAGLE-2 rows share top_k and depth: {self.shape} "
+                f"a batch's EAGLE-2 rows share tree_width and tree_depth: {self.shape} "
                 f"is decoding, {shape} was added"
             )
         if dynamic and not self.rows:
             self.shape = shape
-            self.dynamic = DynamicDrafter(self.engine.lean_head, config.depth)
+            self.dynamic = DynamicDrafter(self.engine.lean_head, config.tree_depth)
             self.fresh = None
             self.rest = self.backoff = 0
         if not dynamic and not self.rows:
@@ -266,7 +277,9 @@ class BatchDecoder:
             plan = planner
         else:
             plan = FixedPlan(top_k, depth)
-        pool, max_depth = self.dynamic.draft(self.fresh, lens, plan)
+        controls = [s.controls for s in self.rows]
+        adjust = draft_adjust(controls, self.engine.lean_head.token_ids, self.target.vocab_size)
+        pool, max_depth = self.dynamic.draft(self.fresh, lens, plan, adjust)
         sizes = planner.sizes(pool) if planner is not None else caps
         if planner is not None:
             self.backoff = 0 if planner.pays else min(max(2 * self.backoff, 1), MAX_REST)
@@ -282,7 +295,8 @@ class BatchDecoder:
         keys, values = self.kv.layer_views()
         mask = self.kv.tree_mask(trees.ancestors)
         hidden, drafts_read = self._forward(trees.tokens, positions, keys, values, start, mask)
-        accepted = self._accept(trees, target.lm_head(hidden))
+        logits = target.lm_head(hidden)
+        accepted = self._accept(trees, logits)
         lengths = accepted.lengths.tolist()
         width = max(lengths)
         nodes = accepted.nodes[:, :width]
@@ -294,11 +308,19 @@ class BatchDecoder:
         features = drafts_read.gather(1, nodes[:, :, None].expand(-1, -1, drafts_read.shape[-1]))
         leaf = nodes.gather(1, (accepted.lengths - 1)[:, None])
         offered = trees.has_children().gather(1, leaf)[:, 0]
+        configs = [s.config for s in self.rows]
+        logprobs = path_logprobs(logits, nodes, emitted, lengths, configs)
         if self.dynamic is not None:  # what the draft has to catch up on next
             fresh = Fresh(features, emitted, accepted.lengths)
             self.fresh = extend_fresh(self.fresh, fresh) if skipped else fresh
         return _Step(
-            lengths, emitted.tolist(), offered.tolist(), trees.sizes.tolist(), features, emitted
+            lengths,
+            emitted.tolist(),
+            offered.tolist(),
+            trees.sizes.tolist(),
+            features,
+            emitted,
+            logprobs,
         )
 
     def _advance(self, step: _Step) -> None:
@@ -318,6 +340,10 @@ class BatchDecoder:
                 seq.finish = finish_reason(seq, self.target)
                 if seq.finish is not None:
                     break
+            if seq.controls is not None:
+                seq.controls.commit(seq.output[-kept:])
+            if seq.logprobs is not None:
+                seq.logprobs += step.logprobs[row][:kept]
             seq.stats.record(step.sizes[row], n - 1, n - 1 + step.offered[row], kept)
 
     def _forward(
@@ -335,6 +361,9 @@ class BatchDecoder:
     def _accept(self, trees: TreeBatch, logits: torch.Tensor) -> Accepted:
         """The target's token at every node (argmax, or a sampled row's draws from its own
         uniforms: verify.py), then each row's matching path."""
+        controls = [seq.controls for seq in self.rows]
+        if any(c is not None for c in controls):  # rows with processors: their own logits
+            logits = process_trees(logits, trees, controls)
         choices = logits.argmax(dim=-1)
         for row, seq in enumerate(self.rows):
             sampling = seq.config.sampling
@@ -400,7 +429,9 @@ class BatchDecoder:
         text = decoded_text(seq, self.target)
         cut = first_stop(text, seq.config.stop)
         text = text[:cut] if cut is not None else text
-        generation = Generation(seq.output, text, seq.finish, seq.prompt_len, seq.stats)
+        generation = Generation(
+            seq.output, text, seq.finish, seq.prompt_len, seq.stats, seq.logprobs
+        )
         self.finished.append((seq.key, generation))
 
 
@@ -414,6 +445,7 @@ class _Step:
     sizes: list[int]  # tree nodes verified
     features: torch.Tensor  # [B, W, H] target features of the committed tokens
     emitted: torch.Tensor  # [B, W]
+    logprobs: list[list[TokenLogprob] | None] | None  # per row that asks, of its emitted
 
 
 def _budget(config: DecodeConfig) -> int:

@@ -9,13 +9,16 @@ One sequence is a batch of one. Each round:
    the row's candidate pool and the best k become the next frontier;
 3. the caller picks each row's tree from the pool (tree.select).
 The expansion's cache entries are dropped after the round; the next round re-feeds the
-target's true features of the accepted tokens.
+target's true features of the accepted tokens. A row with generation controls has its
+draft's log-probabilities processed along each node's branch (the `adjust` hook:
+controls.py), so its draft proposes what its processed target would choose.
 
 The candidate pool, frontier and masks are tensors; nothing loops over nodes in Python.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,16 +95,28 @@ class DynamicDrafter:
         return self.kv.remove_rows(rows)
 
     @torch.inference_mode()
-    def draft(self, fresh: Fresh, context_lens: torch.Tensor, plan: DraftPlan) -> tuple[Pool, int]:
+    def draft(
+        self,
+        fresh: Fresh,
+        context_lens: torch.Tensor,
+        plan: DraftPlan,
+        adjust: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[Pool, int]:
         """Every row's candidate pool, and the deepest level in it.
 
-        context_lens [B]: tokens in each row's target cache (the root is not among them)."""
+        context_lens [B]: tokens in each row's target cache (the root is not among them).
+        adjust: processes the draft's log-probabilities [B, M, Vd] of nodes whose branches
+        below the root are [B, M, D] (controls.draft_adjust); None leaves them as they are."""
         head, kv = self.head, self.kv
         k = min(plan.width, head.vocab_size)
         last = self._catch_up(fresh, context_lens, room=self.depth * k)
         plan.drafted(fresh.tokens.shape[1])
         b, device = kv.rows, last.device
-        top = head.log_probs(last).topk(k, dim=-1)  # the root's children [B, k]
+        log_probs = head.log_probs(last)
+        if adjust is not None:
+            no_branch = torch.zeros(b, 1, 0, dtype=torch.long, device=device)
+            log_probs = adjust(log_probs[:, None], no_branch)[:, 0]
+        top = log_probs.topk(k, dim=-1)  # the root's children [B, k]
         pool = _PoolBuilder(head.token_ids[top.indices], top.values)
         frontier = torch.arange(k, device=device).expand(b, k)  # pool index of each node
         frontier_tokens, frontier_scores = pool.tokens[0], top.values
@@ -109,6 +124,7 @@ class DynamicDrafter:
         parent_slot = torch.full((b, k), -1, dtype=torch.long, device=device)  # -1: the root
         ancestors = torch.zeros(b, 0, 0, dtype=torch.bool, device=device)  # [B, fed, fed]
         base = kv.slots
+        paths = pool.tokens[0][:, :, None] if adjust is not None else None  # [B, k, depth]
         steps = 0
         while plan.keep_drafting(steps, pool.build(), frontier_scores):
             fed = ancestors.shape[1]
@@ -128,7 +144,10 @@ class DynamicDrafter:
                 frontier_tokens, hidden_in, positions, keys, values, base + fed, mask
             )
             plan.drafted(k)
-            top = head.log_probs(hidden).topk(k, dim=-1)  # [B, k, k]
+            log_probs = head.log_probs(hidden)
+            if paths is not None:
+                log_probs = adjust(log_probs, paths)
+            top = log_probs.topk(k, dim=-1)  # [B, k, k]
             child_scores = (frontier_scores[:, :, None] + top.values).reshape(b, k * k)
             child_tokens = head.token_ids[top.indices].reshape(b, k * k)
             offset = pool.add(child_tokens, frontier.repeat_interleave(k, dim=1), child_scores)
@@ -138,6 +157,9 @@ class DynamicDrafter:
             frontier_scores = child_scores.gather(1, best)
             hidden_in = hidden.gather(1, (best // k)[:, :, None].expand(b, k, hidden.shape[-1]))
             parent_slot = fed + best // k
+            if paths is not None:  # each new frontier node's branch: its parent's, then it
+                up = paths.gather(1, (best // k)[:, :, None].expand(-1, -1, paths.shape[2]))
+                paths = torch.cat([up, frontier_tokens[:, :, None]], dim=2)
             steps += 1
         return pool.build(), steps + 1
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eagle2_core.logprobs import TokenLogprob
+
 
 class PromptError(ValueError):
     """The prompt cannot be decoded (empty, or longer than the model's context)."""
@@ -66,6 +68,7 @@ class Generation:
     finish_reason: str  # "stop", "length" (max_new_tokens) or "context" (model full)
     prompt_tokens: int
     stats: DecodeStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
 
     @property
     def completion_tokens(self) -> int:

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from eagle2_core.config import DecodeConfig
+from eagle2_core.controls import RowControls
 from eagle2_core.drafters import Drafter
 from eagle2_core.generation import DecodeStats
+from eagle2_core.logprobs import TokenLogprob
 from eagle2_core.models import Target
 from eagle2_core.verify import Uniforms
 
@@ -30,6 +32,8 @@ class Sequence:
     features: torch.Tensor | None  # for its own drafter: features of the tokens committed
     next_tokens: torch.Tensor | None  # since its last draft, and the token after each
     finish: str | None = None
+    controls: RowControls | None = None  # its logits processors (None: it has none)
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,12 @@ class Prefill:
 
 
 def decoded_text(seq: Sequence, target: Target) -> str:
-    return target.tokenizer.decode(seq.output, skip_special_tokens=True)
+    """The output as text; a stop_token_ids token that ended it is not part of it (vLLM's
+    rule; the model's own end tokens are special and decode to nothing)."""
+    output = seq.output
+    if output and output[-1] in seq.config.stop_token_ids:
+        output = output[:-1]
+    return target.tokenizer.decode(output, skip_special_tokens=True)
 
 
 def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
@@ -69,7 +78,7 @@ def finish_reason(seq: Sequence, target: Target) -> str | None:
     tokens: it is looked for in the decoded tail of the output (stop_window), not the
     whole text, so checking every token costs the same at token 10 and token 4,000; rows
     without one pay nothing."""
-    if seq.output[-1] in target.stop_ids:
+    if seq.output[-1] in target.stop_ids or seq.output[-1] in seq.config.stop_token_ids:
         return "stop"
     stops = seq.config.stop
     if stops:

@@ -1,10 +1,11 @@
 """Choose the target's own token at every tree node, and accept the matching path.
 
 Greedy, the target's token is its argmax. Sampling, it is a draw from the target's
-distribution p (temperature and top-p as transformers' warpers) by the inverse CDF of
-one uniform per output position: every node at depth d shares the uniform of position
-context + d + 1. A drafted child is accepted when it equals the token its parent chose,
-and the round emits the accepted tokens plus the choice after the last one (the bonus).
+distribution p (temperature, top-k, top-p and min-p as transformers' warpers, applied after
+the row's logits processors: processors.py) by the inverse CDF of one uniform per output
+position: every node at depth d shares the uniform of position context + d + 1. A drafted
+child is accepted when it equals the token its parent chose, and the round emits the
+accepted tokens plus the choice after the last one (the bonus).
 
 Lossless: the token emitted at each position is the inverse-CDF draw of that position's
 own uniform under the target's p given the tokens before it, exactly what plain sampling
@@ -27,8 +28,13 @@ UNIFORM_CHUNK = 16  # uniforms are drawn in fixed chunks so every run consumes a
 
 
 def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Softmax of logits / temperature restricted to the top-p nucleus (as HF's warpers)."""
+    """Softmax of logits / temperature restricted to the top-k tokens, the top-p nucleus and
+    the tokens of at least min_p times the top probability, in that order (transformers'
+    warpers: ties at the k-th logit are kept, as there)."""
     scaled = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < scaled.shape[-1]:
+        kth = scaled.topk(sampling.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if sampling.top_p < 1.0:
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=False)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
@@ -36,6 +42,10 @@ def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         remove_sorted[..., -1] = False  # always keep the most likely token
         remove = remove_sorted.scatter(-1, order, remove_sorted)
         scaled = scaled.masked_fill(remove, float("-inf"))
+    if sampling.min_p > 0.0:
+        probs = scaled.softmax(dim=-1)
+        floor = sampling.min_p * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     return scaled.softmax(dim=-1)
 
 

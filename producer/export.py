@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from sqlalchemy import Engine
 
 from producer.database import as_utc
+from producer.openai_logprobs import TokenText, openai_logprobs
 from workers.atomic_file import replacing
 from workers.db import get_job, iter_samples
 from workers.parquet_sink import SAMPLE_SCHEMA, encode_metadata, rows_to_table
@@ -34,9 +35,10 @@ def _json_default(value: Any) -> str:
     raise TypeError(f"cannot export {type(value).__name__} value {value!r}")
 
 
-def openai_line(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def openai_line(rows: Sequence[Mapping[str, Any]], text: TokenText) -> dict[str, Any]:
     """One OpenAI Batch API output line for a request: its completions' rows (one, or the
-    n of a line that asked for several) as `choices[0..n-1]`.
+    n of a line that asked for several) as `choices[0..n-1]`, with their logprobs where
+    asked for (`text`: the tokens' text and bytes).
 
     `custom_id` is the input's custom_id, else the line's id. Ids are derived from
     (job_id, request_id), so exporting twice gives identical files. A request with a
@@ -70,7 +72,7 @@ def openai_line(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 {
                     "index": row["choice_index"],
                     "message": {"role": "assistant", "content": row["output_text"]},
-                    "logprobs": None,
+                    "logprobs": openai_logprobs(row["logprobs"], text),
                     "finish_reason": row["finish_reason"],
                 }
                 for row in rows
@@ -135,6 +137,7 @@ def export_job(engine: Engine, job_id: str, fmt: str, out: Path) -> int:
     if fmt == "jsonl":
         return _write_lines(out, rows)
     if fmt == "openai":
-        return _write_lines(out, (openai_line(group) for group in by_request(rows)))
+        text = TokenText(job["model"])
+        return _write_lines(out, (openai_line(group, text) for group in by_request(rows)))
     meta = {k: job[k] for k in ("model", "draft", "mode", "params")}
     return _write_parquet(out, rows, {"job_id": job_id, **meta})

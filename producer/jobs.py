@@ -130,10 +130,7 @@ def make_spec(
     try:
         if params.get("stop"):
             params = {**params, "stop": stop_strings(params["stop"], "--stop")}
-        given = {k: v for k, v in params.items() if v is not None}
-        if "stop" in given:
-            given["stop"] = tuple(given["stop"])
-        DecodeConfig(mode=mode, **given)
+        DecodeConfig.from_settings(mode, {k: v for k, v in params.items() if v is not None})
     except ValueError as exc:
         raise JobError(str(exc)) from exc
     if shard_size < 1:
@@ -167,9 +164,7 @@ def make_spec(
     return JobSpec(model, draft, mode, params, shard_size, system, n, dtype, max_attempts)
 
 
-def context_check(model: str) -> ContextCheck:
-    """(prompt token counter, context length) from the model's tokenizer and config only:
-    the weights are never loaded by the producer."""
+def _tokenizer_and_config(model: str) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -178,6 +173,18 @@ def context_check(model: str) -> ContextCheck:
         config = AutoConfig.from_pretrained(source, local_files_only=True)
     except (ModelLoadError, OSError, ValueError) as exc:
         raise JobError(f"cannot load the tokenizer of model {model!r}: {one_line(exc)}") from exc
+    return tokenizer, config
+
+
+def model_tokenizer(model: str) -> Any:
+    """The model's tokenizer (its files only: the producer never loads weights)."""
+    return _tokenizer_and_config(model)[0]
+
+
+def context_check(model: str) -> ContextCheck:
+    """(prompt token counter, context length) from the model's tokenizer and config only:
+    the weights are never loaded by the producer."""
+    tokenizer, config = _tokenizer_and_config(model)
     max_context = int(config.max_position_embeddings)
     return prompt_token_counter(tokenizer, max_context), max_context
 

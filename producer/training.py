@@ -152,8 +152,8 @@ def generate_answers(input_path: Path, answers_dir: Path, settings: AnswerSettin
             temperature=settings.temperature,
             top_p=_DEFAULTS.top_p,
             seed=settings.seed,
-            top_k=_DEFAULTS.top_k,
-            depth=_DEFAULTS.depth,
+            tree_width=_DEFAULTS.tree_width,
+            tree_depth=_DEFAULTS.tree_depth,
             total_tokens=_DEFAULTS.total_tokens,
         )
         run = run_job(

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from producer.control_fields import CONTROL_KEYS, BadControl, control_value
 from workers.request import MAX_COMPLETIONS, Request, completion_id
 
 ROLES = ("system", "user", "assistant")
@@ -36,6 +37,7 @@ _TOP_OVERRIDES = (
     ("top_p", "top_p"),
     ("seed", "seed"),
     ("stop", "stop"),
+    *((key, key) for key in CONTROL_KEYS),  # the generation controls (control_fields.py)
 )
 # An OpenAI body spells max_new_tokens max_completion_tokens (or max_tokens), not as ours.
 _BODY_OVERRIDES = (("max_completion_tokens", "max_new_tokens"), *_TOP_OVERRIDES[1:])
@@ -263,10 +265,17 @@ def stop_strings(value: object, name: str) -> list[str]:
     return list(strings)
 
 
-Override = int | float | list[str]
+Override = int | float | bool | list[str] | list[int] | dict[str, float]
 
 
 def _override(name: str, path: str, value: object) -> Override:
+    if name in CONTROL_KEYS:
+        try:
+            return control_value(name, value)
+        except BadControl as exc:
+            raise InvalidLine(
+                f'field "{path}{exc.where}": expected {exc.expected}, got {_describe(exc.value)}'
+            ) from None
     if name == "stop":
         try:
             return stop_strings(value, path)
@@ -318,6 +327,11 @@ def _overrides(obj: dict[str, Any], body: object) -> dict[str, Override]:
             value = body.get(key)
             if value is not None:
                 _set_override(out, where, name, "body." + key, value)
+    if "top_logprobs" in out and out.get("logprobs") is not True:
+        raise InvalidLine(
+            f'field "{where["top_logprobs"]}": expected "logprobs": true beside it (as '
+            f"OpenAI requires), got {_describe(out.get('logprobs', _MISSING))}"
+        )
     return out
 
 

@@ -152,6 +152,7 @@ def _fake_sample(
         "prompt_tokens": rng.randint(5, 100),
         "completion_tokens": completion,
         "finish_reason": rng.choice(["stop", "length"]),
+        "logprobs": None,
         "seed": 7,
         "n_cycles": n_cycles,
         "mean_accept_length": completion / n_cycles,
@@ -217,7 +218,7 @@ def make_job() -> Callable[..., tuple[str, list[dict[str, Any]]]]:
             model="tiny-llama",
             draft="tiny-eagle",
             mode="eagle2",
-            params={"max_new_tokens": 32, "depth": 5, "top_k": 8, "total_tokens": 60},
+            params={"max_new_tokens": 32, "tree_depth": 5, "tree_width": 8, "total_tokens": 60},
             n_expected=n * completions,
             n_shards=(n + shard_size - 1) // shard_size,
         )

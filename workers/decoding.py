@@ -144,7 +144,6 @@ class SampleDecoder:
         settings = {k: getattr(_DEFAULTS, k) for k in keys}
         settings.update({k: job_params[k] for k in keys if job_params.get(k) is not None})
         settings.update({k: v for k, v in request.overrides.items() if k in keys})
-        settings["stop"] = tuple(settings["stop"])  # JSON gives a list
         return settings
 
     def decode_many(
@@ -216,7 +215,8 @@ class SampleDecoder:
         }
         chat = _Chat(request, row, None, [], list(request.messages), None)
         try:
-            chat.config = DecodeConfig(mode=self.mode, **settings)
+            chat.config = DecodeConfig.from_settings(self.mode, settings)
+            chat.config.check_vocabulary(self.engine.target.vocab_size)
         except ValueError as exc:  # this sample's settings
             _fail(row, exc)
         else:
@@ -269,7 +269,7 @@ def _fail(row: dict[str, Any], exc: Exception) -> dict[str, Any]:
 
 def _empty_results() -> dict[str, Any]:
     keys = (
-        "output_text turn_outputs prompt_tokens completion_tokens finish_reason n_cycles "
+        "output_text turn_outputs prompt_tokens completion_tokens finish_reason logprobs n_cycles "
         "mean_accept_length mean_tree_size accept_hist depth_attempts depth_accepts draft_ms "
         "verify_ms total_ms tokens_per_s"
     ).split()
@@ -288,6 +288,8 @@ def _results(turns: list[Generation]) -> dict[str, Any]:
         "prompt_tokens": sum(t.prompt_tokens for t in turns),
         "completion_tokens": completion,
         "finish_reason": turns[-1].finish_reason,
+        # the answer's (the last turn's), as OpenAI's choices[].logprobs
+        "logprobs": _logprobs(turns[-1]),
         "n_cycles": n_cycles,
         "mean_accept_length": round_tokens / n_cycles if n_cycles else None,
         "mean_tree_size": sum(s.tree_nodes for s in stats) / n_cycles if n_cycles else None,
@@ -299,3 +301,9 @@ def _results(turns: list[Generation]) -> dict[str, Any]:
         "total_ms": total_ms,
         "tokens_per_s": completion / (total_ms / 1000) if total_ms > 0 else None,
     }
+
+
+def _logprobs(generation: Generation) -> list[dict[str, Any]] | None:
+    if generation.logprobs is None:
+        return None
+    return [entry.to_json() for entry in generation.logprobs]

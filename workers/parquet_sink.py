@@ -29,6 +29,15 @@ from workers.atomic_file import replacing
 from workers.stored_text import stored_row
 
 _INT_LIST = pa.list_(pa.int64())
+# One output token's logprobs (eagle2_core.logprobs.TokenLogprob): fp32, as computed.
+LOGPROB = pa.struct(
+    [
+        pa.field("token_id", pa.int32(), nullable=False),
+        pa.field("logprob", pa.float32(), nullable=False),
+        pa.field("top_ids", pa.list_(pa.int32())),
+        pa.field("top_logprobs", pa.list_(pa.float32())),
+    ]
+)
 
 # Field for field the samples table (workers.schema.SAMPLE_FIELDS), with its nullability.
 SAMPLE_SCHEMA = pa.schema(
@@ -46,6 +55,7 @@ SAMPLE_SCHEMA = pa.schema(
         pa.field("prompt_tokens", pa.int32()),
         pa.field("completion_tokens", pa.int32()),
         pa.field("finish_reason", pa.string()),
+        pa.field("logprobs", pa.list_(LOGPROB)),
         pa.field("mode", pa.string(), nullable=False),
         pa.field("model", pa.string(), nullable=False),
         pa.field("draft", pa.string()),

@@ -20,8 +20,9 @@ class Request:
 
     `messages` ends with the first user turn to answer; each of `followups` is a
     further user turn, answered in order after the previous answer (multi-turn).
-    `overrides` holds any of max_new_tokens, temperature, top_p, seed, stop that replace
-    the job's parameters for this sample only.
+    `overrides` holds any of max_new_tokens, temperature, top_p, seed, stop and the
+    generation controls (eagle2_core.config.CONTROL_KEYS) that replace the job's
+    parameters for this sample only.
 
     A line asking for `n` completions is one Request as read (`n` set, `choice_index` 0)
     and n as stored and decoded (`completions`): each its own sample, with `request_id`

@@ -175,6 +175,8 @@ class Sample(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     finish_reason: Mapped[str | None] = mapped_column(String(32))
+    # Asked-for logprobs of the answer's tokens: [{token_id, logprob, top_ids, top_logprobs}]
+    logprobs: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
     mode: Mapped[str] = mapped_column(String(16))
     model: Mapped[str] = mapped_column(String(255))
     draft: Mapped[str | None] = mapped_column(String(255))

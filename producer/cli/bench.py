@@ -12,7 +12,7 @@ import click
 
 from eagle2_core.config import AUTO
 from eagle2_core.registry import DEFAULT_MODEL
-from producer.cli.options import TREE_SIZE_HELP, TreeSize, dtype_option
+from producer.cli.options import TREE_SIZE_HELP, TreeSize, dtype_option, renamed_option
 from producer.inputs import read_requests
 from producer.validate import Rejected
 
@@ -43,8 +43,10 @@ from producer.validate import Rejected
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--first-turn-only", is_flag=True, help="Skip follow-up turns (MT-bench turn 2).")
 @click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-k", type=int, default=10, show_default=True)
-@click.option("--depth", type=int, default=5, show_default=True)
+@click.option("--tree-width", type=int, default=10, show_default=True, help="Was --top-k.")
+@click.option("--tree-depth", type=int, default=5, show_default=True, help="Was --depth.")
+@renamed_option("--top-k", "--tree-width")
+@renamed_option("--depth", "--tree-depth")
 @click.option(
     "--total-tokens", type=TreeSize(), default=AUTO, show_default=True, help=TREE_SIZE_HELP
 )
@@ -68,8 +70,8 @@ def bench(
     max_new_tokens,
     first_turn_only,
     temperature,
-    top_k,
-    depth,
+    tree_width,
+    tree_depth,
     total_tokens,
     batch_sizes,
     device,
@@ -114,8 +116,8 @@ def bench(
     config = DecodeConfig(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        top_k=top_k,
-        depth=depth,
+        tree_width=tree_width,
+        tree_depth=tree_depth,
         total_tokens=total_tokens,
         seed=0,
     )
@@ -141,7 +143,7 @@ def bench(
         "temperature": temperature,
         "device": device,
         "dtype": dtype_name(engine.target.dtype),
-        "tree": {"top_k": top_k, "depth": depth, "total_tokens": total_tokens},
+        "tree": {"width": tree_width, "depth": tree_depth, "total_tokens": total_tokens},
         "modes": rows,
     }
     if temperature == 0:
@@ -209,8 +211,8 @@ def _batch_report(engine, questions, config, sizes, dataset, draft, as_json) -> 
             "prompts": len(prompts),
             "max_new_tokens": config.max_new_tokens,
             "tree": {
-                "top_k": config.top_k,
-                "depth": config.depth,
+                "width": config.tree_width,
+                "depth": config.tree_depth,
                 "total_tokens": config.total_tokens,
             },
             "results": [r.as_dict() for r in results],

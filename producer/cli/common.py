@@ -13,6 +13,7 @@ from typing import Any
 import click
 from sqlalchemy import Engine
 
+from eagle2_core.config import CONTROL_BOUNDS
 from producer.database import open_database
 from producer.jobs import JobError, JobSpec, make_spec
 from producer.local_run import Interrupted
@@ -35,6 +36,20 @@ def _system(options: dict[str, Any]) -> str | None:
     return options["system"]
 
 
+def control_params(options: dict[str, Any]) -> dict[str, Any]:
+    """The generation controls the command line set, as a job stores them (unset ones are
+    left out, so a job created before them still matches: `run` resumes it)."""
+    numbers = [key for key in CONTROL_BOUNDS if key != "top_logprobs"]  # --logprobs K: below
+    params = {key: options[key] for key in numbers if options[key] is not None}
+    if options["logit_bias"]:
+        params["logit_bias"] = dict(options["logit_bias"])
+    if options["stop_token_ids"]:
+        params["stop_token_ids"] = list(options["stop_token_ids"])
+    if options["logprobs"] is not None:
+        params.update(logprobs=True, top_logprobs=options["logprobs"])
+    return params
+
+
 def spec_from_options(options: dict[str, Any]) -> JobSpec:
     """The job spec from the parsed job options (a bad combination is a usage error)."""
     system = _system(options)
@@ -48,10 +63,11 @@ def spec_from_options(options: dict[str, Any]) -> JobSpec:
             temperature=options["temperature"],
             top_p=options["top_p"],
             seed=options["seed"],
-            top_k=options["top_k"],
-            depth=options["depth"],
+            tree_width=options["tree_width"],
+            tree_depth=options["tree_depth"],
             total_tokens=options["total_tokens"],
             stop=list(options["stop"]) or None,
+            **control_params(options),
             system=system,
             n=options["n"],
             dtype=options["dtype"],

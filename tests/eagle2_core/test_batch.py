@@ -79,7 +79,7 @@ def test_sequences_stop_independently():
     candidates = prompts(12, lengths=tuple(range(2, 40)), seed=5)
     immediate = next(p for p in candidates if hf_greedy(target, p, 1) == [1])
     batch = [immediate] + prompts(12, lengths=(2, 4, 6, 8, 10, 12), seed=5)
-    items = [(i, p, DecodeConfig(max_new_tokens=60, top_k=4)) for i, p in enumerate(batch)]
+    items = [(i, p, DecodeConfig(max_new_tokens=60, tree_width=4)) for i, p in enumerate(batch)]
     got = dict(engine.generate_batch(items, batch_size=8))
     assert got[0].token_ids == [1] and got[0].finish_reason == "stop"
     lengths = set()

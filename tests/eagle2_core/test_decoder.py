@@ -69,9 +69,9 @@ def test_a_batch_drafts_one_way():
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
     decoder = BatchDecoder(engine)
-    decoder.add("a", [5, 6, 7], DecodeConfig(top_k=4, depth=3))
-    with pytest.raises(ValueError, match="share top_k and depth"):
-        decoder.add("b", [5, 6], DecodeConfig(top_k=5, depth=3))
+    decoder.add("a", [5, 6, 7], DecodeConfig(tree_width=4, tree_depth=3))
+    with pytest.raises(ValueError, match="share tree_width and tree_depth"):
+        decoder.add("b", [5, 6], DecodeConfig(tree_width=5, tree_depth=3))
     with pytest.raises(ValueError, match="not both"):
         decoder.add("c", [5, 6], DecodeConfig(), drafter=OracleDrafter([5, 6], [7], 96))
     assert decoder.active == 1

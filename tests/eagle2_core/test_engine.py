@@ -30,9 +30,9 @@ def test_greedy_equals_generate_with_random_head(tiny, mode):
 @pytest.mark.parametrize(
     "config",
     [
-        DecodeConfig(mode="eagle2", top_k=3, depth=2, total_tokens=6),
-        DecodeConfig(mode="eagle2", top_k=1, depth=8, total_tokens=9),
-        DecodeConfig(mode="eagle2", top_k=10, depth=5, total_tokens=2),
+        DecodeConfig(mode="eagle2", tree_width=3, tree_depth=2, total_tokens=6),
+        DecodeConfig(mode="eagle2", tree_width=1, tree_depth=8, total_tokens=9),
+        DecodeConfig(mode="eagle2", tree_width=10, tree_depth=5, total_tokens=2),
     ],
 )
 def test_greedy_equals_generate_for_tree_shapes(tiny, config):
@@ -69,7 +69,7 @@ def test_stops_on_eos_like_generate():
     stopped = 0
     for prompt in prompts(12, lengths=(2, 4, 6, 8, 10, 12), seed=5):
         expected = hf_greedy(target, prompt, 60)
-        got = engine.generate(prompt, DecodeConfig(max_new_tokens=60, top_k=4))
+        got = engine.generate(prompt, DecodeConfig(max_new_tokens=60, tree_width=4))
         assert got.token_ids == expected
         if expected[-1] == 1:
             stopped += 1

@@ -145,7 +145,7 @@ def test_parquet_export_is_one_file_with_every_row(
     assert table["accept_hist"].to_pylist() == [r.get("accept_hist") for r in rows]
     meta = table.schema.metadata
     assert meta[b"job_id"].decode() == job_id
-    assert json.loads(meta[b"params"])["depth"] == 5
+    assert json.loads(meta[b"params"])["tree_depth"] == 5
     assert [p.name for p in out.parent.iterdir()] == ["job.parquet"]  # no temp left
 
 

@@ -1,7 +1,8 @@
 """Bad input at scale, property-based, on Postgres and SQLite: any mix of lines (random
 bytes, JSON-ish values, BOMs, blanks, a truncated last line, and objects drawing every
 field a line may carry with hostile values: NUL, lone surrogates, ids too long for their
-completions, unknown fields such as logit_bias) under any job options (--n, --system,
+completions, generation controls out of range, unknown fields such as metadata) under any
+job options (--n, --system,
 --stop) becomes a job where every non-blank line is exactly one set of manifest rows or
 one rejected line with its number, everything stored is storable, and nothing crashes."""
 
@@ -92,9 +93,26 @@ SETTINGS = {
     "temperature": mostly(st.floats(0, 2), -1, "hot"),
     "top_p": mostly(st.floats(0.01, 1), 0, 1.5),
     "seed": mostly(st.integers(0, 2**63 - 1), -1, 2**63),
+    "top_k": mostly(st.integers(0, 10), -1, 2.5),
+    "min_p": mostly(st.floats(0, 1), 1.5, "0.1"),
+    "repetition_penalty": mostly(st.floats(0.5, 2), 0, -1),
+    "presence_penalty": mostly(st.floats(-2, 2), 3),
+    "frequency_penalty": mostly(st.floats(-2, 2), "x"),
+    "logit_bias": mostly(
+        st.dictionaries(st.integers(0, 95).map(str), st.floats(-100, 100), max_size=3),
+        {"\udc80": 5},
+        {"1": "\x00"},
+        {"a\x00": 1},
+        [1],
+        {"7": 101},
+    ),  # fmt: skip
+    "stop_token_ids": mostly(st.lists(st.integers(0, 95), max_size=3), [-1], ["\x00"], "2"),
+    "min_tokens": mostly(st.integers(0, 4), -1),
+    "logprobs": mostly(st.booleans(), 1, "\ud800"),
+    "top_logprobs": mostly(st.integers(0, 5), 21),
 }
 EXTRA = st.dictionaries(  # fields nothing reads: never stored, never a reason to refuse
-    st.sampled_from(["logit_bias", "model", "user", "metadata", "reference"]),
+    st.sampled_from(["model", "user", "metadata", "reference"]),
     st.one_of(TEXT, st.dictionaries(TEXT, st.integers(-100, 100), max_size=3)),
     max_size=2,
 )
@@ -118,7 +136,7 @@ OPENAI = st.tuples(
     mostly(TEXT, 7),
     st.fixed_dictionaries(
         {"messages": MESSAGES},
-        optional={**SETTINGS, "max_completion_tokens": SETTINGS["max_tokens"], "logit_bias": EXTRA},
+        optional={**SETTINGS, "max_completion_tokens": SETTINGS["max_tokens"], "metadata": EXTRA},
     ),
     st.fixed_dictionaries({}, optional={"n": SETTINGS["n"], "seed": SETTINGS["seed"]}),
     EXTRA,
@@ -141,6 +159,9 @@ POISONED = st.one_of(
     HOSTILE.filter(text_problem).map(lambda t: ({**GOOD, "stop": ["t9", t]}, 'field "stop[1]"')),
     HOSTILE.filter(text_problem).map(lambda t: ({**GOOD, "prompt": t}, 'field "prompt"')),
     HOSTILE.filter(text_problem).map(lambda t: ({**GOOD, "category": t}, 'field "category"')),
+    HOSTILE.filter(text_problem).map(
+        lambda t: ({**GOOD, "logit_bias": {"5": 1, t: 2}}, 'field "logit_bias"')
+    ),
     st.just(({"id": "i" * 254, "prompt": "t5", "n": 2}, 'field "id"')),
     HOSTILE.filter(text_problem).map(
         lambda t: (

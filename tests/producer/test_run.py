@@ -136,7 +136,7 @@ def test_run_eagle2_with_a_draft_head(tiny: tuple[Path, Path], tmp_path: Path) -
     out = tmp_path / "out"
     done = run_cli(
         str(prompts), "--out", str(out), "--model", str(model), "--draft", str(head),
-        "--max-new-tokens", "5", "--total-tokens", "8", "--depth", "3", "--top-k", "3",
+        "--max-new-tokens", "5", "--total-tokens", "8", "--tree-depth", "3", "--tree-width", "3",
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -139,7 +139,6 @@ def test_body_fields_that_are_not_stored_cannot_spoil_the_line(tmp_path: Path) -
     body = {
         "messages": [user("x")],
         "model": "\x00",
-        "logit_bias": {"\udc80": 5, "12": "\x00"},
         "user": "\ud800",
         "metadata": {"k": ["\x00"]},
     }
@@ -147,6 +146,59 @@ def test_body_fields_that_are_not_stored_cannot_spoil_the_line(tmp_path: Path) -
     assert isinstance(item, Request)
     stored = json.dumps(item.to_payload(), ensure_ascii=False)
     assert text_problem(stored) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("top_k", -1, 'field "body.top_k": expected an integer from 0 to 2147483647, got -1'),
+        ("top_k", 2.0, 'field "body.top_k": expected an integer from 0 to 2147483647, got 2.0'),
+        ("min_p", 1.5, 'field "body.min_p": expected a number from 0 to 1, got 1.5'),
+        ("repetition_penalty", 0, 'field "body.repetition_penalty": expected a number > 0, got 0'),
+        ("presence_penalty", -3, 'field "body.presence_penalty": expected a number from -2 to 2'),
+        ("frequency_penalty", "1", 'field "body.frequency_penalty": expected a number from -2'),
+        ("min_tokens", True, 'field "body.min_tokens": expected an integer from 0 to'),
+        ("logprobs", 1, 'field "body.logprobs": expected true or false, got 1'),
+        ("top_logprobs", 2, 'field "body.top_logprobs": expected "logprobs": true beside it'),
+        ("stop_token_ids", [2, -1], 'field "body.stop_token_ids[1]": expected a token id'),
+        ("stop_token_ids", 2, 'field "body.stop_token_ids": expected an array of at most 64'),
+        ("logit_bias", {"12": 101}, 'field "body.logit_bias.12": expected a number from -100'),
+        ("logit_bias", {"12": "\x00"}, 'field "body.logit_bias.12": expected a number from -100'),
+        ("logit_bias", [3], 'field "body.logit_bias": expected an object of at most 1024'),
+        # a key that cannot be stored is quoted (escaped) in the reason, never in its path
+        ("logit_bias", {"\udc80": 5}, 'field "body.logit_bias": expected token ids as keys'),
+        ("logit_bias", {"-3": 5}, 'field "body.logit_bias": expected token ids as keys'),
+    ],
+)
+def test_a_bad_control_is_a_bad_line_naming_the_field(
+    tmp_path: Path, field: str, value: Any, reason: str
+) -> None:
+    body = {"messages": [user("x")], field: value}
+    [_, item] = read_lines(tmp_path, {**OPENAI, "body": body})
+    assert isinstance(item, Rejected) and item.reason.startswith(reason), item
+    assert text_problem(item.reason) is None
+
+
+def test_controls_are_read_top_level_and_in_a_body(tmp_path: Path) -> None:
+    controls = {
+        "top_k": 5,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "presence_penalty": -0.5,
+        "frequency_penalty": 1,
+        "logit_bias": {"12": -100, "7": 2.5},
+        "stop_token_ids": [2, 3],
+        "min_tokens": 4,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    stored = {**controls, "frequency_penalty": 1.0, "logit_bias": {"12": -100.0, "7": 2.5}}
+    _, top, body = read_lines(
+        tmp_path,
+        {"prompt": "x", **controls},
+        {**OPENAI, "body": {"messages": [user("x")], **controls}},
+    )
+    assert top.overrides == stored and body.overrides == stored
 
 
 def spec(**options: Any) -> None:

@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 import migrations
 from producer.cli import main
 from workers import db
+from workers.schema import jobs_t
 from workers.settings import load_settings
 
 TABLES = {"jobs", "requests", "prompts", "shards", "samples", "rejected_lines"}
@@ -74,13 +75,47 @@ def test_upgrade_from_empty_then_models_match_migrations(empty_url):
     try:
         assert TABLES <= set(inspect(engine).get_table_names())
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0005"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0006"
         indexes = {ix["name"] for ix in inspect(engine).get_indexes("samples")}
         assert "ix_samples_job_id_shard_line_no" in indexes
     finally:
         engine.dispose()
     migrations.check(empty_url)  # raises on any difference
     migrations.upgrade(empty_url)  # at head already: a no-op, not an error
+
+
+def test_a_job_created_before_0006_keeps_its_tree_and_asks_no_top_k(empty_url):
+    """0006 renames the tree options top_k and depth in a job's params (top_k is now the
+    sampling control); downgrading names them as before."""
+    migrations.upgrade(empty_url, "0005")
+    engine = db.make_engine(empty_url)
+    try:
+        old = {"max_new_tokens": 32, "top_k": 8, "depth": 5, "total_tokens": 60}
+        now = datetime.now(UTC)
+        for job_id, params in (("old", old), ("plain", {"max_new_tokens": 4})):
+            with engine.begin() as conn:
+                conn.execute(
+                    jobs_t.insert().values(
+                        id=job_id, created_at=now, updated_at=now, state="queued",
+                        input_path="x", model="m", mode="eagle2", params=params,
+                        n_expected=0, n_rejected=0, n_shards=0,
+                    )
+                )  # fmt: skip
+        migrations.upgrade(empty_url)
+        assert db.get_job(engine, "old")["params"] == {
+            "max_new_tokens": 32,
+            "tree_width": 8,
+            "tree_depth": 5,
+            "total_tokens": 60,
+        }
+        assert db.get_job(engine, "plain")["params"] == {"max_new_tokens": 4}
+        with engine.begin() as conn:
+            cfg = migrations.alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0005")
+        assert db.get_job(engine, "old")["params"] == old
+    finally:
+        engine.dispose()
 
 
 def test_check_detects_schema_drift(empty_url):
@@ -159,7 +194,8 @@ def test_writing_the_same_shard_twice_stores_one_copy(engine, make_job, fake_sam
 
 def test_insert_round_trips_values(engine, make_job, fake_sample, failed_sample):
     job_id, requests = make_job(engine, n=2)
-    ok = fake_sample(requests[0], random.Random(2))
+    logprobs = [{"token_id": 4, "logprob": -0.125, "top_ids": [4], "top_logprobs": [-0.125]}]
+    ok = fake_sample(requests[0], random.Random(2), logprobs=logprobs)
     bad = failed_sample(requests[1], error="CUDA out of memory")
     assert db.insert_samples(engine, [ok, bad]) == 2
     stored = {r["sample_id"]: r for r in db.iter_samples(engine, job_id)}
@@ -170,6 +206,7 @@ def test_insert_round_trips_values(engine, make_job, fake_sample, failed_sample)
     got_bad = stored[bad["sample_id"]]
     assert got_bad["status"] == "failed" and got_bad["error"] == "CUDA out of memory"
     assert got_bad["accept_hist"] is None and got_bad["output_text"] is None
+    assert got_bad["logprobs"] is None
     # Absent JSON values are SQL NULL (not a JSON 'null'), so IS NULL finds them.
     nulls = select(func.count()).where(
         db.samples_t.c.job_id == job_id, db.samples_t.c.accept_hist.is_(None)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle2_core.config import DecodeConfig
+from eagle2_core.config import JOB_DECODE_KEYS, DecodeConfig
 from eagle2_core.draft import save_draft
 from eagle2_core.engine import Engine
-from eagle2_core.registry import DraftUnavailableError
+from eagle2_core.registry import DraftUnavailableError, encode_chat
 from tests.eagle2_core.tiny import tiny_head, tiny_target
 from workers.decoding import RowOrigin, SampleDecoder
 from workers.request import Request
@@ -19,7 +19,7 @@ from workers.schema import SAMPLE_FIELDS
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}t2"
-JOB = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 4, "depth": 3}
+JOB = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "tree_width": 4, "tree_depth": 3}
 
 
 def chat_target(**kwargs):
@@ -83,14 +83,13 @@ def test_per_line_overrides_win_over_job_params(decoder):
     req = request(overrides={"max_new_tokens": 3, "temperature": 0.7, "top_p": 0.9, "seed": 11})
     settings = decoder.config_for(req, {**JOB, "seed": 5, "shard_size": 4})
     assert settings == {
+        **{key: getattr(DecodeConfig(), key) for key in JOB_DECODE_KEYS},
         "max_new_tokens": 3,
         "temperature": 0.7,
         "top_p": 0.9,
         "seed": 11,
-        "top_k": 4,
-        "depth": 3,
-        "total_tokens": DecodeConfig().total_tokens,
-        "stop": (),
+        "tree_width": 4,
+        "tree_depth": 3,
     }
     row = decode(decoder, req)
     assert row["completion_tokens"] == 3
@@ -105,7 +104,7 @@ def test_per_line_overrides_win_over_job_params(decoder):
 def test_multi_turn_sums_statistics_over_turns(decoder):
     req = request(followups=["t8 t9", "t10"])
     row = decode(decoder, req)
-    config = DecodeConfig(mode="eagle2", **decoder.config_for(req, JOB))
+    config = DecodeConfig.from_settings("eagle2", decoder.config_for(req, JOB))
     turns = decoder.engine.chat(req.messages, req.followups, config)
     assert row["turn_outputs"] == [t.text for t in turns]
     assert row["output_text"] == turns[-1].text
@@ -141,6 +140,36 @@ def test_invalid_settings_are_a_failed_row(decoder):
     row = decode(decoder, request(overrides={"temperature": -1.0}))
     assert_failed(row, "ValueError")
     assert row["temperature"] == -1.0
+
+
+def test_controls_from_the_job_and_the_line_reach_the_decoder(decoder):
+    """A job's logit_bias ({"id": bias} in JSON) and a line's repetition_penalty and
+    logprobs decode as DecodeConfig says; the logprobs are stored per token."""
+    job = {**JOB, "logit_bias": {"7": 5.0}, "max_new_tokens": 12}
+    overrides = {"repetition_penalty": 1.4, "logprobs": True, "top_logprobs": 2}
+    req = request(overrides=overrides)
+    row = decode(decoder, req, job)
+    config = DecodeConfig(
+        mode="eagle2", max_new_tokens=12, tree_width=4, tree_depth=3, logit_bias=((7, 5.0),),
+        **overrides,
+    )  # fmt: skip
+    ids = encode_chat(decoder.engine.target.tokenizer, req.messages)
+    want = decoder.engine.generate(ids, config)
+    plain = decode(decoder, request(), {**JOB, "max_new_tokens": 12})
+    assert row["output_text"] == want.text != plain["output_text"]
+    assert len(row["logprobs"]) == row["completion_tokens"]
+    for stored, entry in zip(row["logprobs"], want.logprobs, strict=True):  # a batch rounds apart
+        assert stored["token_id"] == entry.token_id and stored["top_ids"] == list(entry.top_ids)
+        assert stored["logprob"] == pytest.approx(entry.logprob, abs=1e-4)
+        assert stored["top_logprobs"] == pytest.approx(list(entry.top_logprobs), abs=1e-4)
+    assert decode(decoder, request())["logprobs"] is None
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_failed_row_naming_the_field(decoder):
+    row = decode(decoder, request(overrides={"logit_bias": {"5000": 1.0}}))
+    assert_failed(row, "logit_bias: token id 5000 is outside the model's vocabulary")
+    row = decode(decoder, request(overrides={"stop_token_ids": [3, 96]}))
+    assert_failed(row, "stop_token_ids: token id 96")
 
 
 def test_engine_crash_raises_instead_of_failing_every_row(decoder, monkeypatch):

@@ -54,7 +54,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(6
 # mid-way has some samples stored and some not.
 SHARD_SIZE = 12
 # Long enough answers that a shard takes seconds: faults land inside one.
-PARAMS = {"max_new_tokens": 40, "top_k": 4, "depth": 4, "total_tokens": 16}
+PARAMS = {"max_new_tokens": 40, "tree_width": 4, "tree_depth": 4, "total_tokens": 16}
 REPORT_ENV = "EAGLE2_FAULT_REPORT"
 # Above the longest shard on a loaded 2-core machine (~9 s), so only the kill redelivers.
 KILL_VISIBILITY_TIMEOUT = 12

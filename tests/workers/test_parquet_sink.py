@@ -21,7 +21,7 @@ from workers.parquet_sink import (
     write_shard_parquet,
 )
 
-META = {"model": "tiny-llama", "draft": "tiny-eagle", "mode": "eagle2", "depth": 5, "top_k": 8}
+META = {"model": "tiny-llama", "draft": "tiny-eagle", "mode": "eagle2", "tree_depth": 5}
 
 
 def _requests(job_id: str, n: int, shard_size: int) -> list[dict]:
@@ -58,11 +58,22 @@ def test_shard_file_layout_metadata_and_compression(tmp_path, fake_sample):
     assert meta.row_group(0).column(0).compression == "ZSTD"
     kv = {k.decode(): v.decode() for k, v in meta.metadata.items()}
     assert kv["model"] == "tiny-llama" and kv["mode"] == "eagle2"
-    assert json.loads(kv["depth"]) == 5 and json.loads(kv["shard"]) == 1
+    assert json.loads(kv["tree_depth"]) == 5 and json.loads(kv["shard"]) == 1
     assert kv["job_id"] == "jobA" and kv["eagle2_batch_version"]
     table = pq.read_table(path)
     assert table.schema.remove_metadata().equals(SAMPLE_SCHEMA)
     assert table.to_pylist() == rows
+
+
+def test_logprobs_round_trip_exactly(tmp_path, fake_sample):
+    """Logprobs are fp32 as computed: a stored row reads back equal."""
+    logprobs = [
+        {"token_id": 7, "logprob": -0.25, "top_ids": [7, 3], "top_logprobs": [-0.25, -1.875]},
+        {"token_id": 2, "logprob": -3.0517578125e-05, "top_ids": [], "top_logprobs": []},
+    ]
+    rows = [dict(r, logprobs=logprobs) for r in _rows(fake_sample, "jobL") if r["shard"] == 0]
+    path = write_shard_parquet(tmp_path, "jobL", 0, rows, META)
+    assert pq.read_table(path).to_pylist() == rows
 
 
 def test_rewriting_a_shard_replaces_it(tmp_path, fake_sample):

@@ -24,7 +24,7 @@ from workers.shards import JobNotFoundError, process_shard
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 N, SHARD_SIZE = 10, 4  # shards 0 and 1 hold 4 samples, shard 2 holds 2
-PARAMS = {"max_new_tokens": 6, "top_k": 4, "depth": 3, "total_tokens": 12}
+PARAMS = {"max_new_tokens": 6, "tree_width": 4, "tree_depth": 3, "total_tokens": 12}
 WORKER = "cpu0@test"
 
 

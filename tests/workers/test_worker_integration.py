@@ -332,7 +332,7 @@ def cluster(tmp_path_factory, make_pg_database) -> Iterator[Cluster]:
         redis.Redis.from_url(BROKER_URL).flushdb()
 
 
-PARAMS = {"max_new_tokens": 16, "top_k": 4, "depth": 4, "total_tokens": 16}
+PARAMS = {"max_new_tokens": 16, "tree_width": 4, "tree_depth": 4, "total_tokens": 16}
 
 
 def create_job(
