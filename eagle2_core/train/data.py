@@ -309,6 +309,11 @@ class ShardedSequences(Sequence[FeatureSequence]):
     def __len__(self) -> int:
         return len(self._index)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of each conversation, without reading it."""
+        return [b - a for _, a, b in self._index]
+
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
@@ -326,6 +331,13 @@ class ShardedSequences(Sequence[FeatureSequence]):
 def load_shards(paths: Iterable[str | Path], with_layers: bool = False) -> ShardedSequences:
     """All conversations of the given shards, in order, read lazily (features stay bf16)."""
     return ShardedSequences(list(paths), with_layers)
+
+
+def sequence_lengths(sequences: Sequence[FeatureSequence]) -> list[int]:
+    """Tokens of each conversation (read from the shards' index when they are lazy)."""
+    if isinstance(sequences, ShardedSequences):
+        return sequences.lengths
+    return [len(s) for s in sequences]
 
 
 def count_answer_tokens(sequences: Iterable[FeatureSequence]) -> int:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from eagle2_core.draft import DraftHead
 from eagle2_core.eagle3 import Eagle3Head
 from eagle2_core.models import Target
-from eagle2_core.train.data import FeatureSequence
+from eagle2_core.train.data import FeatureSequence, sequence_lengths
 from eagle2_core.train.loss import (
     CE_WEIGHT,
     NOISE_WIDTH,
@@ -33,6 +33,7 @@ from eagle2_core.train.loss import (
 from eagle2_core.train.ttt import TTT_STEPS, ttt_loss
 
 SCHEDULES = ("cosine", "constant")
+BUCKET_BATCHES = 32  # batches per pool sorted by length (epoch_batches)
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
@@ -108,11 +109,25 @@ def collate(sequences: Sequence[FeatureSequence]) -> Batch:
     return Batch(ids, features, mask, states)
 
 
-def epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """Shuffled batches of indices, the same for the same (seed, epoch): resumable order."""
+def epoch_batches(
+    lengths: Sequence[int], batch_size: int, seed: int, epoch: int
+) -> list[list[int]]:
+    """Shuffled batches of indices, the same for the same (seed, epoch): resumable order.
+
+    Conversations are shuffled, then each pool of BUCKET_BATCHES batches' worth is sorted
+    by length and cut into batches, and the batches are shuffled: a batch pads to its
+    longest member, so similar lengths waste far less (the head's attention is quadratic
+    in it, EAGLE-3's training-time test materialises it per step) while every epoch still
+    sees the data in a new random order."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(n, generator=generator).tolist()
-    return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    pool = batch_size * BUCKET_BATCHES
+    batches = []
+    for start in range(0, len(order), pool):
+        chunk = sorted(order[start : start + pool], key=lengths.__getitem__)
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    shuffled = torch.randperm(len(batches), generator=generator).tolist()
+    return [batches[i] for i in shuffled]
 
 
 def lr_lambda(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
@@ -285,7 +300,8 @@ def train(
     lm_head = loss_head(target, vocab_ids)
     window, epoch_window = _Running(), _Running()  # since the last checkpoint / epoch start
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not progress)
-    for batch_indices in _remaining_batches(len(train_data), config, step, steps_per_epoch):
+    lengths = sequence_lengths(train_data)
+    for batch_indices in _remaining_batches(lengths, config, step, steps_per_epoch):
         batch = collate([train_data[i] for i in batch_indices]).to(device)
         with _autocast(config, device):
             parts = head_loss(head, target, lm_head, batch, config, config.noise_width, generator)
@@ -322,10 +338,10 @@ def train(
 
 
 def _remaining_batches(
-    n: int, config: TrainConfig, done: int, steps_per_epoch: int
+    lengths: Sequence[int], config: TrainConfig, done: int, steps_per_epoch: int
 ) -> Iterator[list[int]]:
     """The batches left after `done` steps, in the order an unbroken run takes them."""
     for epoch in range(done // steps_per_epoch, config.epochs):
-        batches = epoch_batches(n, config.batch_size, config.seed, epoch)
+        batches = epoch_batches(lengths, config.batch_size, config.seed, epoch)
         skip = done - epoch * steps_per_epoch if epoch == done // steps_per_epoch else 0
         yield from batches[skip:]
