@@ -17,13 +17,15 @@
 # `run` reassembles the model, installs the wheels under /tmp, runs the identity tests
 # with EAGLE2_TEST_DEVICE=cuda (tiny random Llamas and SmolLM2, fp32: greedy output must
 # equal transformers' generate; the sampling chi-square test), then the bench on 10
-# MT-bench first turns (128 new tokens) in fp32 and bf16. Everything lands in $OUT.
+# MT-bench first turns (128 new tokens) in fp32 and bf16, then batched throughput on the 80
+# first turns (--dtype auto, B = 16, 64 and auto). Everything lands in $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STASH=/tmp/eagle2-gpu
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 DEVICE=${GPU_CHECK_DEVICE:-cuda}  # cpu, with GPU_CHECK_LIMIT=1, rehearses `run` here
 LIMIT=${GPU_CHECK_LIMIT:-10}
+BATCH_LIMIT=${GPU_CHECK_BATCH_LIMIT:-80}
 
 prepare() {
   grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
@@ -69,6 +71,11 @@ run() {
       --limit "$LIMIT" --first-turn-only --max-new-tokens 128 --device "$DEVICE" --dtype "$dtype" --json \
       | tee "$out/bench-$dtype.json"
   done
+  # Throughput at batch: --dtype auto (bf16 on a GPU) and --batch-size auto against fixed B,
+  # the engine's batched plain decoding against batched EAGLE-2 on the same prompts.
+  python3 -c "from producer.cli.bench import bench; bench()" --dataset .gpu/mt_bench.jsonl \
+    --limit "$BATCH_LIMIT" --first-turn-only --max-new-tokens 128 --device "$DEVICE" --dtype auto \
+    --modes engine-vanilla,eagle2 --batch-sizes "16,64,auto" --json | tee "$out/bench-batch.json"
 }
 
 case "${1:-}" in

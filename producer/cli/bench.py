@@ -53,8 +53,10 @@ from producer.validate import Rejected
 @click.option(
     "--batch-sizes",
     default=None,
-    help="Measure a worker's throughput instead, e.g. 4,8,16: tokens/s of the whole prompt "
-    "set for HF batched generate at each B, EAGLE-2 at B=1 and batched EAGLE-2 at each B.",
+    help="Measure a worker's throughput instead, e.g. 4,8,16 or 16,64,auto (auto: the size "
+    "--batch-size auto picks here): tokens/s of the whole prompt set for HF batched "
+    "generate at each B, EAGLE-2 at B=1, and the engine's batched plain decoding and "
+    "batched EAGLE-2 at each B.",
 )
 @click.option(
     "--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N: where to decode."
@@ -127,7 +129,11 @@ def bench(
             print(f"\rquestion {i + 1}/{len(questions)}", end="", file=sys.stderr, flush=True)
 
     if batch_sizes:
-        sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
+        sizes = [
+            engine.auto_batch_size() if b.strip() == AUTO else int(b)
+            for b in batch_sizes.split(",")
+            if b.strip()
+        ]
         drafted = [m for m in mode_list if m in ("eagle1", "eagle2")]
         config = dataclasses.replace(config, mode=drafted[-1] if drafted else "vanilla")
         _batch_report(engine, questions, config, sizes, dataset, draft, as_json)
