@@ -94,11 +94,17 @@ class Engine:
         tokens."""
         largest = MAX_AUTO_BATCH.get(self.target.device.type, MAX_AUTO_BATCH["cpu"])
         costs = self.costs(largest, on_measure)
+        return throughput_batch(costs, self.auto_batch_limit(), largest)
+
+    def auto_batch_limit(self) -> int:
+        """The most rows an auto batch may take: the largest size measured, and what half
+        the free memory holds as cache rows of AUTO_ROW_SLOTS tokens."""
         lean, target = self.target.lean, self.target
         element = torch.empty((), dtype=target.dtype).element_size()
         row = 2 * len(lean.layers) * lean.shape.kv_heads * lean.shape.dim * element
         max_rows = max(1, int(free_memory(target.device) / 2 // (row * AUTO_ROW_SLOTS)))
-        return throughput_batch(costs, max_rows, largest)
+        largest = MAX_AUTO_BATCH.get(target.device.type, MAX_AUTO_BATCH["cpu"])
+        return min(max_rows, largest)
 
     def drafter_for(self, config: DecodeConfig) -> Drafter | None:
         """A row-by-row drafter for the mode: EAGLE-1's static tree, or none (plain
