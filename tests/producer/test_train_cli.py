@@ -171,7 +171,7 @@ def test_train_draft_on_conversations_decodes_nothing_and_snapshots(
         assert json.loads((snapshot / "snapshot.json").read_text())["tokens_seen"] >= count
         assert load_draft(snapshot) is not None and DraftVocab.load(snapshot) is not None
     bad = CliRunner().invoke(main, ["train-draft", "--model", str(model_dir), "--out", str(out)])
-    assert bad.exit_code == 2 and "--prompts, --conversations or both" in bad.output
+    assert bad.exit_code == 2 and "give --prompts, --conversations or --from-job" in bad.output
 
 
 def test_train_draft_arch_eagle3_writes_a_public_eagle3_head_that_decodes_exactly(

@@ -21,6 +21,7 @@ import torch
 from sqlalchemy import Engine, func, select, update
 
 from eagle2_core import models
+from eagle2_core.precision import dtype_name, resolve_dtype
 from migrations import upgrade
 from producer.status import format_status, job_status
 from tests.workers.manifests import store_job
@@ -393,8 +394,8 @@ def test_forty_prompts_in_eight_shards_on_two_workers(cluster: Cluster):
     assert sorted(r["sample_id"] for r in rows) == expected  # every sample, exactly once
     assert {r["status"] for r in rows} == {"ok"}
     assert {(r["model"], r["draft"], r["device"]) for r in rows} == {
-        (str(cluster.model), str(cluster.draft), "cpu")
-    }
+        (str(cluster.model), str(cluster.draft), f"cpu {dtype_name(resolve_dtype('auto', 'cpu'))}")
+    }  # the workers decode at the job's --dtype auto: bf16 where this CPU computes it natively
     assert {r["worker"] for r in rows} == {f"cpu0@{h}" for h in HOSTS}  # both took shards
     table = read_job_parquet(cluster.out, job_id)
     assert sorted(table.column("sample_id").to_pylist()) == expected
