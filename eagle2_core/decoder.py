@@ -119,6 +119,9 @@ class BatchDecoder:
             drafter.reset()
         generator = generator if generator is not None else seeded_generator(config.seed)
         prompt = torch.tensor(prompt_ids, device=target.device)
+        if not self.rows:  # the batch's cache at once, each row as long as this one may get
+            longest = len(prompt_ids) + config.max_new_tokens + _budget(config)
+            self.kv.reserve_batch(self.batch_size, min(longest, target.max_context))
         last_hidden, features = self._prefill(key, prompt_ids, prompt)
         uniforms = Uniforms(generator)
         first = 0.0 if config.sampling.greedy else uniforms.take(1)[0]

@@ -20,6 +20,7 @@ from eagle2_core.draft import DraftHead, load_draft, new_draft_head, read_config
 from eagle2_core.drafters import Drafter, StaticDrafter
 from eagle2_core.eagle3 import Eagle3Head, LeanEagle3, is_eagle3, load_eagle3
 from eagle2_core.generation import DecodeStats, Generation, PromptError, seeded_generator
+from eagle2_core.kv import RESERVE_SLOTS
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.models import Target, load_target
 from eagle2_core.plan import Calibration
@@ -38,8 +39,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-AUTO_ROW_SLOTS = 1024  # tokens of cache a row is budgeted for when sizing an auto batch
 
 
 def free_memory(device: torch.device) -> int:
@@ -90,7 +89,7 @@ class Engine:
     def auto_batch_size(self, on_measure: Callable[[Path], object] | None = None) -> int:
         """--batch-size auto: the rows at once that maximise plain decoding's tokens/s in
         this device's cost table (measured up to MAX_AUTO_BATCH rows: 128 on a CPU, 256 on
-        a GPU), within what half of the free memory holds as cache rows of AUTO_ROW_SLOTS
+        a GPU), within what half of the free memory holds as cache rows of RESERVE_SLOTS
         tokens."""
         largest = MAX_AUTO_BATCH.get(self.target.device.type, MAX_AUTO_BATCH["cpu"])
         costs = self.costs(largest, on_measure)
@@ -98,11 +97,11 @@ class Engine:
 
     def auto_batch_limit(self) -> int:
         """The most rows an auto batch may take: the largest size measured, and what half
-        the free memory holds as cache rows of AUTO_ROW_SLOTS tokens."""
+        the free memory holds as cache rows of RESERVE_SLOTS tokens."""
         lean, target = self.target.lean, self.target
         element = torch.empty((), dtype=target.dtype).element_size()
         row = 2 * len(lean.layers) * lean.shape.kv_heads * lean.shape.dim * element
-        max_rows = max(1, int(free_memory(target.device) / 2 // (row * AUTO_ROW_SLOTS)))
+        max_rows = max(1, int(free_memory(target.device) / 2 // (row * RESERVE_SLOTS)))
         largest = MAX_AUTO_BATCH.get(target.device.type, MAX_AUTO_BATCH["cpu"])
         return min(max_rows, largest)
 

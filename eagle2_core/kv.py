@@ -25,6 +25,10 @@ _GROW = 64  # slot capacity is a multiple of this
 # attention reads by at least RESORT_GAIN (BENCHMARKS.md, "Batched decoding").
 CHUNK_ROWS = 16
 RESORT_GAIN = 0.1
+# A batch's first row reserves the whole batch's cache at once, each row this many slots at
+# most (past that it grows by doubling): growing a row or a slot block at a time copies the
+# whole cache each time. Auto batch sizes are budgeted at this many slots a row (engine.py).
+RESERVE_SLOTS = 1024
 
 
 class BatchKV:
@@ -271,6 +275,11 @@ class RaggedKV:
     def reserve(self, rows: int, slots: int) -> None:
         """Capacity for `rows` rows of `slots` slots at once (no doubling on the way)."""
         self.keys, self.values = _grown(self.keys, self.values, rows, slots, self.rows, self.slots)
+
+    def reserve_batch(self, rows: int, slots: int) -> None:
+        """Before a batch fills: room for `rows` rows of `slots` slots (RESERVE_SLOTS at
+        most), so rows joining and tokens arriving copy nothing."""
+        self.reserve(max(rows, self.rows + 1), min(slots, RESERVE_SLOTS))
 
     def add_row(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A new last row whose first `length` slots the caller fills (a prefill): returns

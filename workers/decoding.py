@@ -172,7 +172,7 @@ class SampleDecoder:
         """
         ordered = sorted(requests, key=_prompt_chars, reverse=True)
         rows = self.rows_for(len(ordered))
-        decoder = BatchDecoder(self.engine, rows)
+        decoder = BatchDecoder(self.engine, max(1, min(rows, len(ordered))))
         chats: dict[str, _Chat] = {}
         pending = iter(ordered)
         while True:

@@ -103,7 +103,8 @@ def test_auto_batch_takes_the_fastest_size_or_a_smaller_one_as_fast():
 
 def test_an_engine_sizes_its_auto_batch_by_the_table_and_free_memory(tmp_path, monkeypatch):
     from eagle2_core import engine as engine_module
-    from eagle2_core.engine import AUTO_ROW_SLOTS, Engine
+    from eagle2_core.engine import Engine
+    from eagle2_core.kv import RESERVE_SLOTS
 
     monkeypatch.setenv("EAGLE2_CACHE_DIR", str(tmp_path))
     target = tiny_target(eos=None)
@@ -111,6 +112,6 @@ def test_an_engine_sizes_its_auto_batch_by_the_table_and_free_memory(tmp_path, m
     chosen = engine.auto_batch_size()
     assert chosen in engine.costs().batch_grid and max(engine.costs().batch_grid) == 128
     lean = target.lean
-    row = 2 * len(lean.layers) * lean.shape.kv_heads * lean.shape.dim * 4 * AUTO_ROW_SLOTS
+    row = 2 * len(lean.layers) * lean.shape.kv_heads * lean.shape.dim * 4 * RESERVE_SLOTS
     monkeypatch.setattr(engine_module, "free_memory", lambda device: 2 * 3 * row)
     assert engine.auto_batch_size() <= 3  # half the free memory holds 3 rows
