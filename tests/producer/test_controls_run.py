@@ -59,7 +59,10 @@ def test_controls_and_logprobs_through_run_and_the_openai_export(tiny, tmp_path)
     for mode in ("eagle2", "vanilla"):
         out, job_id, stderr = run_job(model, head, mode, tmp_path)
         assert 'line 4: field "top_logprobs": expected "logprobs": true beside it' in stderr
-        assert 'line 5: field "logit_bias.x": expected token ids as keys' in stderr
+        assert (
+            'line 5: field "logit_bias": expected token ids as keys (decimal digits), got "x"'
+            in stderr
+        )
         table = {r["request_id"]: r for r in read_job_parquet(out, job_id).to_pylist()}
         assert set(table) == {"a", "b", "c"} and table["b"]["logprobs"] is None
         exported = tmp_path / f"{mode}.jsonl"
