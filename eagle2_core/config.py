@@ -3,6 +3,7 @@ loading a model."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ CONTROL_KEYS = (
     "min_tokens",
     "logprobs",
     "top_logprobs",
+    "response_format",
 )
 
 # The DecodeConfig fields a job stores in its params and a line may override (with the
@@ -144,6 +146,18 @@ class Sampling:
         return self.temperature <= 0.0
 
 
+def format_text(response_format: Mapping[str, Any] | str | None) -> str | None:
+    """A response_format as decoding takes it: its JSON text, keys in the order given (a
+    schema's properties come in the answer in that order; Postgres's JSONB would sort an
+    object's keys, so a line stores the text); None for {"type": "text"}, which constrains
+    nothing (a line's overrides a job's format with it)."""
+    if isinstance(response_format, Mapping):
+        response_format = json.dumps(response_format)
+    if response_format is None or json.loads(response_format).get("type") == "text":
+        return None
+    return response_format
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """What to generate and how. tree_width and tree_depth bound the EAGLE-2 tree (the
@@ -172,6 +186,7 @@ class DecodeConfig:
     min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token, with logprobs
+    response_format: str | None = None  # its JSON text (eagle2_core/response_format.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -207,11 +222,17 @@ class DecodeConfig:
             )
         if not all(TOKEN_ID_BOUND.admits(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+        if self.response_format is not None and self.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with response_format: the grammar decides "
+                "where the answer may end"
+            )
 
     @classmethod
     def from_settings(cls, mode: str, settings: Mapping[str, Any]) -> DecodeConfig:
         """The config of settings as JSON holds them (a job's params, a line's overrides):
-        lists become tuples and logit_bias's {"token id": bias} sorted pairs."""
+        lists become tuples, logit_bias's {"token id": bias} sorted pairs and a
+        response_format its JSON text (`format_text`)."""
         given = dict(settings)
         for name in ("stop", "stop_token_ids"):
             if name in given:
@@ -220,31 +241,21 @@ class DecodeConfig:
             bias = given["logit_bias"]
             pairs = bias.items() if isinstance(bias, Mapping) else bias
             given["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        if "response_format" in given:
+            given["response_format"] = format_text(given["response_format"])
         return cls(mode=mode, **given)
-
-    def check_vocabulary(self, vocab_size: int) -> None:
-        """Raise ValueError naming the control whose token id the model does not have."""
-        for name, ids in (
-            ("logit_bias", [t for t, _ in self.logit_bias]),
-            ("stop_token_ids", self.stop_token_ids),
-        ):
-            outside = [t for t in ids if t >= vocab_size]
-            if outside:
-                raise ValueError(
-                    f"{name}: token id {outside[0]} is outside the model's vocabulary "
-                    f"(ids 0 to {vocab_size - 1})"
-                )
 
     @property
     def processed(self) -> bool:
         """Whether the target's logits are processed before choosing (penalties, biases,
-        min_tokens): rows that are not never pay for it."""
+        min_tokens, a grammar): rows that are not never pay for it."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
             or self.min_tokens > 0
+            or self.response_format is not None
         )
 
     @property

@@ -1,34 +1,69 @@
 """The generation controls of the rows that have any: each row's processors (processors.py)
-on its tree's target logits and on its draft. The decoder calls in here only when a row of
-its batch has controls; the others' logits are left as they are."""
+and grammar (grammar.py) on its tree's target logits and on its draft. The decoder calls
+in here only when a row of its batch has controls; the others' logits are left as they are."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from eagle2_core.config import DecodeConfig
+from eagle2_core.generation import PromptError
+from eagle2_core.grammar import Constraint, grammars_for
 from eagle2_core.models import Target
 from eagle2_core.processors import History, process, tree_paths
+from eagle2_core.response_format import GrammarError
 from eagle2_core.tree import TreeBatch
 
 # Processes the draft's log-probabilities [B, M, Vd] of nodes whose branches are [B, M, D].
 DraftAdjust = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class ControlError(PromptError):
+    """A request's controls do not fit the model: a token id it does not have, a grammar
+    its tokenizer cannot follow. The sample fails with this; its batch goes on."""
+
+
+@dataclass(frozen=True)
+class DraftColumns:
+    """The draft vocabulary: its rows' target ids [Vd], and each target id's row [V] (-1
+    where it has none)."""
+
+    token_ids: torch.Tensor
+    columns: torch.Tensor
+
+    @classmethod
+    def of(cls, token_ids: torch.Tensor, vocab_size: int) -> DraftColumns:
+        columns = torch.full((vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+        columns[token_ids] = torch.arange(token_ids.numel(), device=token_ids.device)
+        return cls(token_ids, columns)
+
+
 class RowControls:
-    """One sequence's processors and the history they count."""
+    """One sequence's processors, the history they count and its grammar's state."""
 
     def __init__(self, config: DecodeConfig, prompt_ids: list[int], target: Target) -> None:
         self.config = config
         self.history = History(prompt_ids, target.vocab_size, target.device)
-        stops = sorted(target.stop_ids | set(config.stop_token_ids))
-        self.stop_ids = torch.tensor(stops, dtype=torch.long, device=target.device)
+        self.stops = frozenset(target.stop_ids | set(config.stop_token_ids))
+        self.stop_ids = torch.tensor(sorted(self.stops), dtype=torch.long, device=target.device)
+        self.constraint: Constraint | None = None
+        if config.response_format is not None:
+            grammars = grammars_for(target.tokenizer, target.vocab_size, target.stop_ids)
+            try:
+                self.constraint = grammars.constraint(config.response_format)
+            except GrammarError as exc:
+                raise ControlError(f"response_format: {exc}") from None
 
     def logits(self, logits: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
         """The processed target logits [M, V] of nodes with branches `paths` [M, D]."""
-        return process(logits, self.config, self.history.branches(paths), self.stop_ids)
+        out = process(logits, self.config, self.history.branches(paths), self.stop_ids)
+        if self.constraint is not None:  # a node never reached keeps its logits: no NaN
+            allowed, live = self.constraint.allowed(paths, self.stops)
+            out.masked_fill_(~allowed & live[:, None], float("-inf"))
+        return out
 
     def first_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The processed target logits [V] of the prompt's last position (nothing drafted)."""
@@ -42,20 +77,40 @@ class RowControls:
         return self.logits(logits, tree_paths(tokens, ancestors))
 
     def draft_log_probs(
-        self, log_probs: torch.Tensor, paths: torch.Tensor, columns: torch.Tensor
+        self, log_probs: torch.Tensor, paths: torch.Tensor, draft: DraftColumns
     ) -> torch.Tensor:
-        """The draft's log-probabilities [M, Vd] processed alike (`columns`: each target
-        id's draft-vocabulary row, -1 for none), normalised again."""
+        """The draft's log-probabilities [M, Vd] processed alike, normalised again: the
+        draft never proposes a token the grammar forbids on the node's branch."""
         branches = self.history.branches(paths)
-        processed = process(log_probs, self.config, branches, self.stop_ids, columns)
-        return processed.log_softmax(dim=-1)
+        out = process(log_probs, self.config, branches, self.stop_ids, draft.columns)
+        if self.constraint is None:
+            return out.log_softmax(dim=-1)
+        allowed, live = self.constraint.allowed(paths, self.stops)
+        out = out.masked_fill(~allowed[:, draft.token_ids], float("-inf")).log_softmax(dim=-1)
+        # Nothing below a dead node, nor below one whose allowed tokens the draft vocabulary
+        # lacks (its row is all -inf: NaN after log_softmax).
+        return out.masked_fill(~live[:, None] | out.isnan(), float("-inf"))
 
     def commit(self, tokens: list[int]) -> None:
         self.history.add(tokens)
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
 
 
 def controls_for(config: DecodeConfig, prompt_ids: list[int], target: Target) -> RowControls | None:
-    """A row's controls, None when its config processes nothing (the fast path)."""
+    """A row's controls, None when its config processes nothing (the fast path); raises
+    ControlError when they do not fit the model."""
+    vocab = target.vocab_size
+    for name, ids in (
+        ("logit_bias", [t for t, _ in config.logit_bias]),
+        ("stop_token_ids", config.stop_token_ids),
+    ):
+        outside = [t for t in ids if t >= vocab]
+        if outside:
+            raise ControlError(
+                f"{name}: token id {outside[0]} is outside the model's vocabulary "
+                f"(ids 0 to {vocab - 1})"
+            )
     return RowControls(config, prompt_ids, target) if config.processed else None
 
 
@@ -81,13 +136,12 @@ def draft_adjust(
     rows = [row for row, c in enumerate(controls) if c is not None]
     if not rows:
         return None
-    columns = torch.full((vocab_size,), -1, dtype=torch.long, device=token_ids.device)
-    columns[token_ids] = torch.arange(token_ids.numel(), device=token_ids.device)
+    draft = DraftColumns.of(token_ids, vocab_size)
 
     def adjust(log_probs: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:
         out = log_probs.clone()
         for row in rows:
-            out[row] = controls[row].draft_log_probs(log_probs[row], paths[row], columns)
+            out[row] = controls[row].draft_log_probs(log_probs[row], paths[row], draft)
         return out
 
     return adjust

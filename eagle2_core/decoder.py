@@ -90,7 +90,8 @@ class BatchDecoder:
         drafter: Drafter | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        """Prefill a prompt and join the batch; raises PromptError for an undecodable one.
+        """Prefill a prompt and join the batch; raises PromptError for an undecodable one
+        (ControlError for controls the model cannot follow), before anything is changed.
 
         The first row that sizes its trees by cost has the cost table loaded (measured,
         on a new machine) before its clock starts: that is the machine's, not its time."""
@@ -106,6 +107,7 @@ class BatchDecoder:
                 f"the prompt has {len(prompt_ids)} tokens but the model's context holds "
                 f"{target.max_context}; shorten the prompt"
             )
+        controls = controls_for(config, prompt_ids, target)  # ControlError: nothing changed yet
         stats = DecodeStats()
         if config.max_new_tokens == 0:
             empty = [] if config.logprobs else None
@@ -126,7 +128,6 @@ class BatchDecoder:
         uniforms = Uniforms(generator)
         first = 0.0 if config.sampling.greedy else uniforms.take(1)[0]
         logits = target.lm_head(last_hidden)
-        controls = controls_for(config, prompt_ids, target)
         chosen = logits if controls is None else controls.first_logits(logits)
         root = choose_token(chosen, config.sampling, first)
         next_tokens = torch.cat([prompt[1:], torch.tensor([root], device=target.device)])

@@ -5,6 +5,7 @@ its field; the job options (--logit-bias) use the same checks."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from eagle2_core.config import CONTROL_BOUNDS, CONTROL_KEYS, LOGIT_BIAS_BOUND, TOKEN_ID_BOUND
@@ -13,7 +14,7 @@ from eagle2_core.config import CONTROL_BOUNDS, CONTROL_KEYS, LOGIT_BIAS_BOUND, T
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
 
-__all__ = ["CONTROL_KEYS", "BadControl", "control_value", "logit_bias_entry"]
+__all__ = ["CONTROL_KEYS", "BadControl", "control_value", "logit_bias_entry", "response_format"]
 
 
 class BadControl(ValueError):
@@ -68,4 +69,45 @@ def control_value(name: str, value: object) -> Any:
         if type(value) is not list or len(value) > MAX_STOP_TOKEN_IDS:
             raise BadControl("", f"an array of at most {MAX_STOP_TOKEN_IDS} token ids", value)
         return [_token_id(token, f"[{i}]") for i, token in enumerate(value)]
+    if name == "response_format":
+        return response_format(value)
     raise KeyError(name)
+
+
+# Each form of response_format that holds a grammar: (where, what it must be, its name).
+_GRAMMAR_FIELDS = {
+    "json_schema": ("json_schema.schema", "an object (a JSON schema)", "JSON schema"),
+    "regex": ("regex", "a non-empty regular expression", "regular expression"),
+    "grammar": ("grammar", "a non-empty Lark or GBNF grammar", "grammar"),
+}
+
+
+def response_format(value: object) -> str:
+    """OpenAI's response_format (or its regex and grammar forms), checked by compiling it
+    (without a tokenizer: a millisecond for a schema) -> the stored form, the JSON text of
+    only what decides the grammar (so equal formats share one compile; a schema keeps its
+    key order: eagle2_core.config.format_text)."""
+    from eagle2_core.response_format import RESPONSE_TYPES, grammar_problem
+
+    if type(value) is not dict:
+        raise BadControl("", f'an object with "type": one of {", ".join(RESPONSE_TYPES)}', value)
+    kind = value.get("type")
+    if kind not in RESPONSE_TYPES:
+        raise BadControl(".type", f"one of {', '.join(RESPONSE_TYPES)}", kind)
+    canonical: dict[str, Any] = {"type": kind}
+    if kind in _GRAMMAR_FIELDS:
+        where, expected, what = _GRAMMAR_FIELDS[kind]
+        if kind == "json_schema":
+            holder = value.get("json_schema")
+            part = holder.get("schema") if type(holder) is dict else None
+            canonical["json_schema"] = {"schema": part}
+        else:
+            part = canonical[kind] = value.get(kind)
+        if type(part) is not (dict if kind == "json_schema" else str) or part == "":
+            raise BadControl(f".{where}", expected, part)
+        problem = grammar_problem(canonical)
+        if problem is not None:
+            words = " ".join(line.strip() for line in problem.splitlines() if line.strip())
+            reason = json.dumps(words[:200])[1:-1]  # escaped: storable whatever it quotes
+            raise BadControl(f".{where}", f"a {what} that compiles ({reason})", part)
+    return json.dumps(canonical)

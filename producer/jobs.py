@@ -24,7 +24,8 @@ from eagle2_core.registry import (
 )
 from producer.inputs import Request
 from producer.prompt_length import TokenCounter, prompt_token_counter
-from producer.validate import MAX_ID_CHARS, completions_count, stop_strings, text_problem
+from producer.storable import text_problem
+from producer.validate import MAX_ID_CHARS, completions_count, stop_strings
 from workers.schema import (
     SHARD_STATES,
     jobs_t,

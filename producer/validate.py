@@ -13,7 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from eagle2_core.config import format_text
 from producer.control_fields import CONTROL_KEYS, BadControl, control_value
+from producer.storable import json_problem, text_problem
 from workers.request import MAX_COMPLETIONS, Request, completion_id
 
 ROLES = ("system", "user", "assistant")
@@ -94,26 +96,6 @@ def _describe(value: object) -> str:
     if type(value) is dict:
         return "an object"
     return type(value).__name__
-
-
-def text_problem(value: str) -> str | None:
-    """Why `value` cannot be stored as text, None when it can. Postgres refuses NUL in text
-    and JSONB, and UTF-8 (every sink) refuses lone surrogates: either would fail a whole
-    batch insert. Every text a job stores from its user passes here first (line fields,
-    --stop, --system, model and input names)."""
-    nul = value.find("\x00")
-    if nul >= 0:
-        return f"expected text without NUL (\\u0000), got one at character {nul + 1}"
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            # A JSON "\\udXXX" escape or an undecodable command-line byte gets here.
-            return (
-                f"expected valid Unicode text, got a lone surrogate "
-                f"\\u{ord(value[exc.start]):04x} at character {exc.start + 1}"
-            )
-    return None
 
 
 def _text(value: object, path: str, *, allow_empty: bool = False) -> str:
@@ -265,11 +247,13 @@ def stop_strings(value: object, name: str) -> list[str]:
     return list(strings)
 
 
-Override = int | float | bool | list[str] | list[int] | dict[str, float]
+Override = int | float | bool | str | list[str] | list[int] | dict[str, float]
 
 
 def _override(name: str, path: str, value: object) -> Override:
     if name in CONTROL_KEYS:
+        if name == "response_format" and (problem := json_problem(value, path)) is not None:
+            raise InvalidLine(problem)
         try:
             return control_value(name, value)
         except BadControl as exc:
@@ -327,6 +311,11 @@ def _overrides(obj: dict[str, Any], body: object) -> dict[str, Override]:
             value = body.get(key)
             if value is not None:
                 _set_override(out, where, name, "body." + key, value)
+    if format_text(out.get("response_format")) is not None and out.get("min_tokens"):
+        raise InvalidLine(
+            f'fields "{where["min_tokens"]}" and "{where["response_format"]}": expected at most '
+            "one of them (the grammar decides where the answer may end)"
+        )
     if "top_logprobs" in out and out.get("logprobs") is not True:
         raise InvalidLine(
             f'field "{where["top_logprobs"]}": expected "logprobs": true beside it (as '

@@ -47,6 +47,8 @@ def control_params(options: dict[str, Any]) -> dict[str, Any]:
         params["stop_token_ids"] = list(options["stop_token_ids"])
     if options["logprobs"] is not None:
         params.update(logprobs=True, top_logprobs=options["logprobs"])
+    if options["response_format"] is not None:
+        params["response_format"] = options["response_format"]
     return params
 
 

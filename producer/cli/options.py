@@ -14,17 +14,15 @@ from typing import Any
 
 import click
 
-from eagle2_core.config import AUTO, CONTROL_BOUNDS, DTYPES, MODES, DecodeConfig
+from eagle2_core.config import AUTO, DTYPES, MODES, DecodeConfig
 from eagle2_core.registry import DEFAULT_MODEL
-from producer.control_fields import BadControl, logit_bias_entry
+from producer.cli.control_options import Decorator, control_options
 from producer.inputs import DEFAULT_SHARD_SIZE
 from producer.validate import MAX_SEED
 from workers.request import MAX_COMPLETIONS
 from workers.settings import DEFAULT_MAX_ATTEMPTS, Settings, load_settings
 
 _DEFAULTS = DecodeConfig()
-
-Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 def count_option(name: str, default: int, help: str, minimum: int = 1, **extra: Any) -> Decorator:
@@ -135,98 +133,6 @@ def tree_options(width: int, depth: int) -> list[Decorator]:
             "level may be). Was --top-k, which is now top-k sampling.",
         ),
         renamed_option("--depth", "--tree-depth"),
-    ]
-
-
-class LogitBias(click.ParamType):
-    """--logit-bias ID=BIAS: a token id and the bias added to its logit."""
-
-    name = "ID=BIAS"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> tuple[str, float]:
-        if isinstance(value, tuple):
-            return value
-        token, _, bias = str(value).partition("=")
-        try:
-            return logit_bias_entry(token.strip(), float(bias))
-        except BadControl as exc:
-            self.fail(f"{value!r}: expected {exc.expected}", param, ctx)
-        except ValueError:
-            self.fail(f"{value!r} is not ID=BIAS (a token id, '=', a number)", param, ctx)
-
-
-def _control_type(key: str) -> click.ParamType:
-    bound = CONTROL_BOUNDS[key]
-    if bound.integer:
-        return click.IntRange(int(bound.low), None if bound.high is None else int(bound.high))
-    return click.FloatRange(bound.low, bound.high, min_open=bound.low_open)
-
-
-def control_options() -> list[Decorator]:
-    """The job's generation controls (README, "Generation controls"); a line's own override
-    them. Unset, a control is not stored with the job."""
-
-    def option(name: str, key: str, help: str) -> Decorator:
-        return click.option(name, key, type=_control_type(key), default=None, help=help)
-
-    return [
-        option(
-            "--top-k",
-            "top_k",
-            "Sample from the K most likely tokens only (0: all; transformers' and vLLM's "
-            "top_k). The draft tree's width is --tree-width.",
-        ),
-        option(
-            "--min-p",
-            "min_p",
-            "Sample only tokens at least P times as likely as the most likely one (vLLM's and "
-            "transformers' min_p).",
-        ),
-        option(
-            "--repetition-penalty",
-            "repetition_penalty",
-            "Divide a positive logit (multiply a negative one) of every token already in the "
-            "prompt or the answer by this (transformers' and vLLM's repetition_penalty).",
-        ),
-        option(
-            "--presence-penalty",
-            "presence_penalty",
-            "Subtract this from the logit of every token the answer holds (OpenAI's).",
-        ),
-        option(
-            "--frequency-penalty",
-            "frequency_penalty",
-            "Subtract this times its count in the answer from each token's logit (OpenAI's).",
-        ),
-        click.option(
-            "--logit-bias",
-            type=LogitBias(),
-            multiple=True,
-            help="Add BIAS (-100 to 100) to token ID's logit (OpenAI's logit_bias); repeat "
-            "for more tokens.",
-        ),
-        click.option(
-            "--stop-token-id",
-            "stop_token_ids",
-            type=click.IntRange(0),
-            multiple=True,
-            help="End the answer at this token (finish_reason stop; kept in the token ids, "
-            "not in the text: vLLM's stop_token_ids); repeatable.",
-        ),
-        option(
-            "--min-tokens",
-            "min_tokens",
-            "Hold back the end tokens (the model's and --stop-token-id) until the answer has "
-            "this many tokens (vLLM's min_tokens, transformers' min_new_tokens).",
-        ),
-        click.option(
-            "--logprobs",
-            type=_control_type("top_logprobs"),
-            default=None,
-            metavar="K",
-            help="Store every answer token's logprob and the K (0-20) most likely tokens of "
-            "its position: the target's raw distribution (OpenAI's logprobs + top_logprobs).",
-        ),
     ]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from eagle2_core.draft import DraftHead, new_draft_head
@@ -28,6 +28,20 @@ def tiny_tokenizer(vocab_size: int, eos: int | None = 1) -> PreTrainedTokenizerF
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos_token, unk_token="t0")
 
 
+BYTE_EOS = 256  # byte_tokenizer's end token, after the 256 bytes
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer of one token per byte (GPT-2's alphabet) and an end token: any
+    text, JSON included, can be written with it (structured output tests)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {char: i for i, char in enumerate(alphabet)} | {"<eos>": BYTE_EOS}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+
+
 def tiny_target(
     vocab_size: int = 96,
     seed: int = 0,
@@ -36,7 +50,11 @@ def tiny_target(
     hidden: int = 64,
     layers: int = 2,
     dtype: torch.dtype = torch.float32,
+    byte_level: bool = False,
 ) -> Target:
+    """A random Llama over t0..t{V-1}, or with `byte_level` over byte_tokenizer's 257."""
+    if byte_level:
+        vocab_size, eos = BYTE_EOS + 1, BYTE_EOS
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -54,7 +72,8 @@ def tiny_target(
     )
     model = LlamaForCausalLM(config).eval().to(DEVICE, dtype)
     model.generation_config.eos_token_id = eos
-    return target_from_model(model, tiny_tokenizer(vocab_size, eos), "tiny-llama")
+    tokenizer = byte_tokenizer() if byte_level else tiny_tokenizer(vocab_size, eos)
+    return target_from_model(model, tokenizer, "tiny-llama")
 
 
 def tiny_head(target: Target, seed: int = 1) -> DraftHead:

@@ -150,6 +150,7 @@ def test_help_of_every_command_has_an_example() -> None:
         "--stop-token-id",
         "--min-tokens",
         "--logprobs",
+        "--response-format",
         "--shard-size",
         "--strict",
         "--dry-run",
@@ -172,6 +173,27 @@ def test_total_tokens_takes_auto_or_a_positive_count(
     bad = cli(*args, "--total-tokens", value)
     assert bad.exit_code == 2
     assert f"Invalid value for '--total-tokens': {value!r} is neither 'auto'" in bad.output
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("{", "Invalid value for '--response-format': not JSON:"),
+        ('{"type": "xml"}', "type: expected one of text, json_object, json_schema"),
+        ('{"type": "regex", "regex": "(a"}', "regex: expected a regular expression that compiles"),
+        ('{"type": "regex", "regex": "a\\u0000"}', '"--response-format.regex": expected text'),
+    ],
+)
+def test_response_format_is_checked_as_a_lines_is(
+    sqlite_url: str, tiny_model: Path, tmp_path: Path, value: str, why: str
+) -> None:
+    path = write_input(tmp_path / "in.jsonl", 2)
+    args = ["submit", str(path), "--model", str(tiny_model), "--mode", "vanilla", "--dry-run"]
+    args += ["--db-url", sqlite_url]
+    good = cli(*args, "--response-format", '{"type": "json_object"}')
+    assert good.exit_code == 0, good.output
+    bad = cli(*args, "--response-format", value)
+    assert bad.exit_code == 2 and why in bad.output, bad.output
 
 
 @pytest.mark.parametrize("as_json", [False, True])

@@ -22,7 +22,8 @@ from sqlalchemy import Engine, select
 from migrations import upgrade
 from producer.jobs import ContextCheck, context_check, make_spec
 from producer.manifest import create_job
-from producer.validate import MAX_ID_CHARS, text_problem
+from producer.storable import text_problem
+from producer.validate import MAX_ID_CHARS
 from tests.producer.test_inputs import LINE
 from tests.producer.test_jobs import CONTEXT, save_tiny_model
 from workers import db

@@ -13,7 +13,8 @@ import pytest
 
 from producer.inputs import Rejected, Request, read_requests
 from producer.jobs import JobError, make_spec
-from producer.validate import MAX_ID_CHARS, text_problem
+from producer.storable import text_problem
+from producer.validate import MAX_ID_CHARS
 from workers.request import MAX_COMPLETIONS
 
 GOOD = {"id": "good", "prompt": "ok"}

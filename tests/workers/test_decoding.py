@@ -186,12 +186,14 @@ def test_engine_crash_raises_instead_of_failing_every_row(decoder, monkeypatch):
 
 def test_batched_rows_equal_one_at_a_time(decoder):
     """Batch size changes throughput, never a row: same outputs, tokens, cycles; rows come
-    out as they finish, failed ones at once, and multi-turn requests keep their turns."""
+    out as they finish, failed ones at once (the batch goes on), and multi-turn requests
+    keep their turns."""
     reqs = [
         request("short", overrides={"max_new_tokens": 2}),
         request("long", followups=["t8 t9"], content="t5 " * 40),
         request("bad", overrides={"temperature": -1.0}),
         request("too-long", content=" ".join(["t5"] * 600)),
+        request("no-such-token", overrides={"logit_bias": {"5000": 1.0}}),
         request("sampled", overrides={"temperature": 1.0, "seed": 3}),
     ]
     alone = {r.sample_id: decode(decoder, r) for r in reqs}
@@ -200,8 +202,9 @@ def test_batched_rows_equal_one_at_a_time(decoder):
     )
     rows = list(batched.decode_many(reqs, JOB, ORIGIN))
     assert sorted(r["sample_id"] for r in rows) == sorted(alone)
-    assert {r["sample_id"] for r in rows[:2]} == {"bad", "too-long"}  # failed: no decoding
-    keys = ("status", "output_text", "turn_outputs", "completion_tokens", "n_cycles")
+    failed = {"bad", "too-long", "no-such-token"}  # failed at once: no decoding
+    assert {r["sample_id"] for r in rows[:3]} == failed
+    keys = ("status", "error", "output_text", "turn_outputs", "completion_tokens", "n_cycles")
     for row in rows:
         assert {k: row[k] for k in keys} == {k: alone[row["sample_id"]][k] for k in keys}
 
