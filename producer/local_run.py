@@ -166,7 +166,9 @@ def run_job(
         decoder.on_measure = _announce_measuring
         if spec.mode == "eagle2" and spec.params.get("total_tokens") == AUTO:
             decoder.engine.costs(decoder.batch_size, on_measure=_announce_measuring)
-        print(f"decoding {decoder.batch_size} sequences at once", file=sys.stderr, flush=True)
+        samples = min(get_job(engine, job_id)["n_expected"], spec.shard_size)
+        rows = min(decoder.rows_for(samples), samples)
+        print(f"decoding up to {rows} sequences at once", file=sys.stderr, flush=True)
         try:
             _decode(engine, decoder, job_id, out)
         except KeyboardInterrupt:
