@@ -14,7 +14,6 @@ from eagle2_core.generation import PromptError
 from eagle2_core.grammar import Constraint, grammars_for
 from eagle2_core.models import Target
 from eagle2_core.processors import History, process, tree_paths
-from eagle2_core.response_format import GrammarError
 from eagle2_core.tree import TreeBatch
 
 # Processes the draft's log-probabilities [B, M, Vd] of nodes whose branches are [B, M, D].
@@ -51,10 +50,10 @@ class RowControls:
         self.stop_ids = torch.tensor(sorted(self.stops), dtype=torch.long, device=target.device)
         self.constraint: Constraint | None = None
         if config.response_format is not None:
-            grammars = grammars_for(target.tokenizer, target.vocab_size, target.stop_ids)
             try:
+                grammars = grammars_for(target.tokenizer, target.vocab_size, target.stop_ids)
                 self.constraint = grammars.constraint(config.response_format)
-            except GrammarError as exc:
+            except ValueError as exc:  # a GrammarError, or a tokenizer llguidance cannot read
                 raise ControlError(f"response_format: {exc}") from None
 
     def logits(self, logits: torch.Tensor, paths: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,8 @@ def test_rows_of_other_formats_share_a_batch_each_format_compiled_once(monkeypat
 
 def test_a_grammar_the_tokenizer_cannot_follow_fails_its_row_and_the_batch_goes_on(tiny):
     """The producer compiles each line's format without a tokenizer; one that still fails
-    with it (here: never checked) fails that sample, naming the field, and changes nothing."""
+    with it (here: never checked), or a tokenizer the grammar engine cannot read, fails
+    that sample, naming the field, and changes nothing."""
     target, engine = tiny
     prompt = encode(target, "Go")
     decoder = BatchDecoder(engine)
@@ -140,6 +141,9 @@ def test_a_grammar_the_tokenizer_cannot_follow_fails_its_row_and_the_batch_goes_
     )
     with pytest.raises(ControlError, match="^response_format: "):
         decoder.add("bad", prompt, bad)
+    unreadable = Engine(tiny_target())  # its tokenizer has no decoder llguidance can read
+    with pytest.raises(ControlError, match="^response_format: "):
+        BatchDecoder(unreadable).add("other", [3, 4], config("vanilla", "regex"))
     done = {}
     while not decoder.idle:
         done.update(decoder.step())
