@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -243,3 +245,31 @@ def test_an_auto_batch_size_is_read_from_the_cost_table(decoder, monkeypatch):
     assert fixed.rows_for(80) == 48  # a number given is a number kept
     with pytest.raises(ValueError, match="'auto' or >= 1"):
         SampleDecoder(decoder.engine, model="m", draft=None, mode="vanilla", batch_size=0)
+
+
+def test_a_lines_response_format_wins_over_the_jobs_and_text_frees_it():
+    """Formats as the producer stores them (their JSON text): the job's constrains every
+    line that says nothing, a line's own replaces it, {"type": "text"} lifts it."""
+    target = chat_target(byte_level=True, seed=5)
+    decoder = SampleDecoder(
+        Engine(target, tiny_head(target, seed=6)), model="tiny", draft="tiny", mode="eagle2"
+    )
+    digits = json.dumps({"type": "regex", "regex": "[0-9]{4}"})
+    letters = json.dumps({"type": "regex", "regex": "[a-z]{3}"})
+    job = {**JOB, "max_new_tokens": 12, "response_format": digits}
+    rows = {
+        r["sample_id"]: r
+        for r in decoder.decode_many(
+            [
+                request("job's", content="Go"),
+                request("own", content="Go", overrides={"response_format": letters}),
+                request("free", content="Go", overrides={"response_format": '{"type": "text"}'}),
+            ],
+            job,
+            ORIGIN,
+        )
+    }
+    assert re.fullmatch("[0-9]{4}", rows["job's"]["output_text"])
+    assert re.fullmatch("[a-z]{3}", rows["own"]["output_text"])
+    assert rows["free"]["finish_reason"] == "length"  # 12 tokens of a random model
+    assert rows["job's"]["finish_reason"] == rows["own"]["finish_reason"] == "stop"
