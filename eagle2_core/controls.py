@@ -6,15 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from eagle2_core.config import DecodeConfig
 from eagle2_core.generation import PromptError
-from eagle2_core.grammar import Constraint, grammars_for
 from eagle2_core.models import Target
 from eagle2_core.processors import History, process, tree_paths
 from eagle2_core.tree import TreeBatch
+
+if TYPE_CHECKING:  # grammar.py loads llguidance's torch helpers, which start torch.compile
+    from eagle2_core.grammar import Constraint
 
 # Processes the draft's log-probabilities [B, M, Vd] of nodes whose branches are [B, M, D].
 DraftAdjust = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -50,6 +53,8 @@ class RowControls:
         self.stop_ids = torch.tensor(sorted(self.stops), dtype=torch.long, device=target.device)
         self.constraint: Constraint | None = None
         if config.response_format is not None:
+            from eagle2_core.grammar import grammars_for  # only rows with a format pay for it
+
             try:
                 grammars = grammars_for(target.tokenizer, target.vocab_size, target.stop_ids)
                 self.constraint = grammars.constraint(config.response_format)
