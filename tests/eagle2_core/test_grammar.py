@@ -24,7 +24,7 @@ from eagle2_core.engine import BatchDecoder, Engine
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.response_format import grammar_text
 from tests.eagle2_core.test_dynamic import prefill
-from tests.eagle2_core.test_sampling import chi_square_p
+from tests.eagle2_core.test_sampling import chi_square_p, eagle_draws
 from tests.eagle2_core.tiny import BYTE_EOS, OracleDrafter, tiny_head, tiny_target
 
 SCHEMA = {
@@ -204,19 +204,9 @@ def test_sampling_under_a_grammar_keeps_the_masked_distribution(tiny):
         (a, b, BYTE_EOS): float(probs([])[a] * probs([a])[b]) for a in letters for b in letters
     }
     settings = {"max_new_tokens": 5, "temperature": 1.0, "total_tokens": 6, "tree_width": 3}
-    base = DecodeConfig.from_settings("eagle2", {**settings, "response_format": regex})
-    counts: Counter = Counter()
-    accepted = 0
+    config = DecodeConfig.from_settings("eagle2", {**settings, "response_format": regex})
     n = 1800
-    decoder = BatchDecoder(engine)
-    for seed in range(n):
-        decoder.add(seed, prompt, DecodeConfig(**{**base.__dict__, "seed": seed}))
-        if decoder.active < 100 and seed < n - 1:
-            continue
-        while not decoder.idle:
-            for _, out in decoder.step():
-                counts[tuple(out.token_ids)] += 1
-                accepted += len(out.stats.accept_hist) > 1
+    counts, accepted, _ = eagle_draws(engine, config, n, prompt=prompt)
     assert sum(counts.values()) == n and set(counts) <= set(exact)
     assert chi_square_p(counts, exact, n) > 1e-3
     assert accepted > n // 10  # the grammar-masked draft is accepted

@@ -91,7 +91,7 @@ class WideDrafter:
 
 
 def eagle_draws(
-    engine: Engine, config: DecodeConfig, n: int, drafter=None
+    engine: Engine, config: DecodeConfig, n: int, drafter=None, prompt: list[int] = PROMPT
 ) -> tuple[Counter, int, int]:
     """Counts of the outputs (x1 .. x_max_new_tokens) over n seeds, how many draws
     accepted a drafted token and how many had a round that accepted none.
@@ -104,7 +104,7 @@ def eagle_draws(
     decoder = BatchDecoder(engine)
     for seed in range(n):
         config_n = DecodeConfig(**{**config.__dict__, "seed": seed})
-        decoder.add(seed, PROMPT, config_n, drafter=drafter)
+        decoder.add(seed, prompt, config_n, drafter=drafter)
         if decoder.active < 100 and seed < n - 1:
             continue
         while not decoder.idle:
