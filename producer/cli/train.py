@@ -1,5 +1,5 @@
 """`eagle2-batch train-draft`: train an EAGLE draft head for a target, end to end
-(producer/training.py)."""
+(producer/training/pipeline.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from eagle2_core.config import DRAFT_VOCAB_SIZE
 from eagle2_core.registry import DEFAULT_MODEL
 from producer.cli.common import user_errors
 from producer.cli.options import choice_option, count_option, folder_option
-from producer.model_card import format_tau
-from producer.training import DraftTraining, train_draft_head
+from producer.training.model_card import format_tau
+from producer.training.pipeline import DraftTraining, train_draft_head
 
 _JSONL = click.Path(exists=True, dir_okay=False, path_type=Path)
 

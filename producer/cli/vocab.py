@@ -1,5 +1,5 @@
 """`eagle2-batch draft-vocab`: the draft vocabulary of a head, from answers the target
-wrote (producer/draft_vocab.py)."""
+wrote (producer/training/draft_vocab.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from eagle2_core.config import DRAFT_VOCAB_SIZE
 from eagle2_core.registry import DEFAULT_MODEL
 from producer.cli.common import user_errors
 from producer.cli.options import count_option, folder_option
-from producer.draft_vocab import write_draft_vocab
+from producer.training.draft_vocab import write_draft_vocab
 
 
 @click.command("draft-vocab")

@@ -28,9 +28,8 @@ from producer.database import open_database, safe_url
 from producer.inputs import DEFAULT_SHARD_SIZE
 from producer.jobs import JobError, make_spec
 from producer.local_run import format_run, run_job
-from producer.model_card import model_card
 from producer.status import job_failure
-from producer.training_data import (
+from producer.training.data import (
     Prompt,
     TrainingError,
     build_conversations,
@@ -39,7 +38,8 @@ from producer.training_data import (
     read_conversations,
     select_prompts,
 )
-from producer.training_heads import measure_tau, save_head, snapshots, starting_head
+from producer.training.heads import measure_tau, save_head, snapshots, starting_head
+from producer.training.model_card import model_card
 from workers.db import get_job, iter_samples, make_engine
 from workers.job_answers import iter_job_answers
 from workers.schema import jobs_t

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import producer.training as train_cli
+import producer.training.pipeline as train_cli
 from eagle2_core.config import DecodeConfig
 from eagle2_core.draft import load_draft, new_draft_head, save_draft
 from eagle2_core.eagle3 import Eagle3Head

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagle2_core.config import REFERENCE_TREE_TOKENS, DecodeConfig
 from eagle2_core.registry import encode_chat, shipped_draft
-from producer.training_data import TrainingError
+from producer.training.data import TrainingError
 
 if TYPE_CHECKING:  # torch: imported where used, so other commands start fast
     from eagle2_core.engine import Engine
