@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from producer.jobs import JobError, one_line, set_shards_state
+from producer.jobs import JobError, one_line
 from producer.status import find_job
 from workers.db import missing_shards, reclaim_stalled, refresh_job_state, set_job_state
 from workers.heartbeat import silent_since, stall_after
+from workers.job_queries import set_shards_state
 
 
 def enqueue_shards(job_id: str, model: str, shards: list[int]) -> str:

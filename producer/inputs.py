@@ -25,7 +25,6 @@ from producer.validate import InvalidLine, Rejected, Request, quote, request_fro
 from workers.request import completion_id
 
 __all__ = [
-    "DEFAULT_SHARD_SIZE",
     "MAX_LINE_BYTES",
     "InputFileError",
     "Rejected",
@@ -39,10 +38,6 @@ __all__ = [
 # Well above any prompt a model context can hold (the benchmark lines are < 20 KB),
 # small enough that one bad line cannot exhaust a producer's memory.
 MAX_LINE_BYTES = 16 * 1024 * 1024
-# Input lines per shard when a job does not say (the unit a worker takes, a resume redoes):
-# several times the batch a worker decodes at once (--batch-size auto picks up to 128 rows on
-# a CPU), since each shard ends with its batch draining (docker/README.md, "Shard size").
-DEFAULT_SHARD_SIZE = 512
 _SKIP_CHUNK = 1024 * 1024
 _BOM = b"\xef\xbb\xbf"
 # Records validated together: at most this many, and at most this many bytes of input (one

@@ -16,18 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from tqdm import tqdm
 
-from eagle2_core.config import AUTO
-from producer.creation import build_job
+from producer.creation import create_job, input_fingerprint
 from producer.database import open_database, prepare_database, safe_url
-from producer.jobs import JobError, JobSpec, input_fingerprint, one_line, set_shards_state
+from producer.jobs import JobError, JobSpec, one_line
 from producer.stats import STATS_COLUMNS, compute_stats, format_stats
 from producer.status import job_status
 from workers.db import get_job, iter_samples, missing_shards, sample_counts
+from workers.job_queries import set_shards_state, unfinished_jobs
 from workers.parquet_sink import job_dir
-from workers.schema import jobs_t
 
 
 class Interrupted(KeyboardInterrupt):
@@ -53,25 +52,11 @@ def unfinished_job(engine: Engine, input_path: Path, spec: JobSpec) -> dict[str,
     """The newest queued or running job of this very input (same size and mtime) and
     these settings, whose creation finished (it expects samples); else None."""
     path = input_path.resolve()
-    params = spec.stored_params(**input_fingerprint(path))
-    draft = jobs_t.c.draft.is_(None) if spec.draft is None else jobs_t.c.draft == spec.draft
-    stmt = (
-        select(jobs_t)
-        .where(
-            jobs_t.c.input_path == str(path),
-            jobs_t.c.model == spec.model,
-            jobs_t.c.mode == spec.mode,
-            draft,
-            jobs_t.c.state.in_(["queued", "running"]),
-            jobs_t.c.n_expected > 0,
-        )
-        .order_by(jobs_t.c.created_at.desc())
+    params = spec.settings.to_params(**input_fingerprint(path))
+    jobs = unfinished_jobs(
+        engine, input_path=str(path), model=spec.model, mode=spec.mode, draft=spec.draft
     )
-    with engine.connect() as conn:
-        for row in conn.execute(stmt).mappings():
-            if row["params"] == params:
-                return dict(row)
-    return None
+    return next((job for job in jobs if job["params"] == params), None)
 
 
 def _load_decoder(spec: JobSpec, device: str, batch_size: int | str | None) -> Any:
@@ -80,7 +65,7 @@ def _load_decoder(spec: JobSpec, device: str, batch_size: int | str | None) -> A
     from eagle2_core.registry import DraftUnavailableError, ModelLoadError
     from workers.decoding import SampleDecoder
 
-    dtype = resolve_dtype(spec.dtype, device)
+    dtype = resolve_dtype(spec.settings.dtype, device)
     try:
         return SampleDecoder.load(
             spec.model, spec.draft, spec.mode, device=device, dtype=dtype, batch_size=batch_size
@@ -161,12 +146,13 @@ def run_job(
                 flush=True,
             )
         else:
-            job_id, _ = build_job(engine, input_path, spec, strict=strict)
+            job_id, plan = create_job(engine, input_path, spec, strict=strict)
+            plan.require_samples(input_path, job_id)
         decoder = _load_decoder(spec, device, batch_size)
         decoder.on_measure = _announce_measuring
-        if spec.mode == "eagle2" and spec.params.get("total_tokens") == AUTO:
+        if spec.auto_tree:
             decoder.engine.costs(decoder.batch_size, on_measure=_announce_measuring)
-        samples = min(get_job(engine, job_id)["n_expected"], spec.shard_size)
+        samples = min(get_job(engine, job_id)["n_expected"], spec.settings.shard_size)
         rows = min(decoder.rows_for(samples), samples)
         print(f"decoding up to {rows} sequences at once", file=sys.stderr, flush=True)
         try:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
 
-from producer.jobs import model_tokenizer
+from producer.tokenizer import model_tokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine
 from tqdm import tqdm
 
 from eagle2_core.registry import draft_label
@@ -18,7 +17,7 @@ from producer.database import as_utc
 from producer.jobs import JobError
 from workers.db import get_job, latest_job_id, refresh_job_state, sample_counts
 from workers.heartbeat import silent_since, stall_after
-from workers.schema import jobs_t, rejected_lines_t, samples_t, shards_t
+from workers.job_queries import completion_tokens, job_ids_with_prefix, shard_rows, stored_per_shard
 
 TERMINAL_STATES = ("completed", "failed", "cancelled")
 SHOWN_SHARDS = 20
@@ -32,15 +31,7 @@ def find_job(engine: Engine, job: str | None) -> dict[str, Any]:
         raise JobError("no jobs yet")
     row = get_job(engine, job_id)
     if row is None and len(job_id) >= 4:
-        pattern = job_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        with engine.connect() as conn:
-            ids = (
-                conn.execute(
-                    select(jobs_t.c.id).where(jobs_t.c.id.like(pattern, escape="\\")).limit(2)
-                )
-                .scalars()
-                .all()
-            )
+        ids = job_ids_with_prefix(engine, job_id)
         if len(ids) > 1:
             raise JobError(f"job prefix {job_id!r} matches several jobs")
         row = get_job(engine, ids[0]) if ids else None
@@ -68,40 +59,26 @@ def job_status(engine: Engine, job_id: str) -> dict[str, Any]:
     state = refresh_job_state(engine, job_id)
     job = find_job(engine, job_id)
     counts = sample_counts(engine, job_id)
-    with engine.connect() as conn:
-        per_shard = dict(
-            conn.execute(
-                select(samples_t.c.shard, func.count())
-                .where(samples_t.c.job_id == job_id)
-                .group_by(samples_t.c.shard)
-            ).all()
-        )
-        tokens = conn.execute(
-            select(func.coalesce(func.sum(samples_t.c.completion_tokens), 0)).where(
-                samples_t.c.job_id == job_id
-            )
-        ).scalar_one()
-        shard_rows = conn.execute(
-            select(shards_t).where(shards_t.c.job_id == job_id).order_by(shards_t.c.shard)
-        ).mappings()
-        silent = silent_since(stall_after())
-        shards = [
-            {
-                "shard": row["shard"],
-                # A running shard with no heartbeat for the stall limit has no live attempt.
-                "state": "stalled" if _stalled(row, silent) else row["state"],
-                "lines": [row["line_start"], row["line_end"]],
-                "samples": row["n_samples"],
-                "stored": per_shard.get(row["shard"], 0),
-                "attempts": row["attempts"],
-                "lost_attempts": row["lost_attempts"],
-                "worker": row["worker"],
-                "started_at": as_utc(row["started_at"]),
-                "heartbeat_at": as_utc(row["heartbeat_at"]),
-                "error": row["error"],
-            }
-            for row in shard_rows
-        ]
+    per_shard = stored_per_shard(engine, job_id)
+    tokens = completion_tokens(engine, job_id)
+    silent = silent_since(stall_after())
+    shards = [
+        {
+            "shard": row["shard"],
+            # A running shard with no heartbeat for the stall limit has no live attempt.
+            "state": "stalled" if _stalled(row, silent) else row["state"],
+            "lines": [row["line_start"], row["line_end"]],
+            "samples": row["n_samples"],
+            "stored": per_shard.get(row["shard"], 0),
+            "attempts": row["attempts"],
+            "lost_attempts": row["lost_attempts"],
+            "worker": row["worker"],
+            "started_at": as_utc(row["started_at"]),
+            "heartbeat_at": as_utc(row["heartbeat_at"]),
+            "error": row["error"],
+        }
+        for row in shard_rows(engine, job_id)
+    ]
     stored = counts["ok"] + counts["failed"]
     starts = [s["started_at"] for s in shards if s["started_at"] is not None]
     end = as_utc(job["finished_at"]) or datetime.now(UTC)
@@ -217,16 +194,3 @@ def wait_for(engine: Engine, job_id: str, interval: float = 2.0) -> dict[str, An
                 break
             time.sleep(interval)
     return job_status(engine, job_id)
-
-
-def rejected_lines(engine: Engine, job_id: str) -> Iterator[tuple[int, str | None, str]]:
-    """(line number, sample id, reason) of every rejected input line, in line order,
-    streamed: a job can hold millions."""
-    stmt = (
-        select(rejected_lines_t.c.line_no, rejected_lines_t.c.sample_id, rejected_lines_t.c.reason)
-        .where(rejected_lines_t.c.job_id == job_id)
-        .order_by(rejected_lines_t.c.line_no)
-    )
-    with engine.connect() as conn:
-        rows = conn.execution_options(yield_per=1000).execute(stmt)
-        yield from (tuple(row) for row in rows)

@@ -7,11 +7,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine
 
 from workers.db import refresh_job_state
+from workers.job_queries import manifest_ids, recorded_parquet_path, rows_per_sample_id
 from workers.parquet_sink import job_dir
-from workers.schema import requests_t, samples_t, shards_t
 from workers.settings import load_settings
 
 SHOWN_IDS = 10
@@ -39,12 +39,7 @@ def _parquet_ids(directory: Path, job_id: str) -> tuple[Counter[str], int, int]:
 def _parquet_dir(engine: Engine, job_id: str, out: Path | None) -> Path:
     """--out's job folder; else the folder workers recorded, when this host sees it."""
     if out is None:
-        with engine.connect() as conn:
-            recorded = conn.execute(
-                select(shards_t.c.parquet_path)
-                .where(shards_t.c.job_id == job_id, shards_t.c.parquet_path.is_not(None))
-                .limit(1)
-            ).scalar()
+        recorded = recorded_parquet_path(engine, job_id)
         if recorded and Path(recorded).parent.is_dir():
             return Path(recorded).parent
     return job_dir(out or load_settings().output_dir, job_id)
@@ -52,23 +47,8 @@ def _parquet_dir(engine: Engine, job_id: str, out: Path | None) -> Path:
 
 def verify_job(engine: Engine, job_id: str, out: Path | None) -> dict[str, Any]:
     """Compare manifest, database rows and Parquet rows of a job; JSON-ready report."""
-    with engine.connect() as conn:
-        manifest = set(
-            conn.execute(
-                select(requests_t.c.sample_id).where(requests_t.c.job_id == job_id)
-            ).scalars()
-        )
-        # Rows per sample id, counted rather than assumed: the primary key should make
-        # duplicates impossible, and verify is what proves it.
-        stored = Counter(
-            dict(
-                conn.execute(
-                    select(samples_t.c.sample_id, func.count())
-                    .where(samples_t.c.job_id == job_id)
-                    .group_by(samples_t.c.sample_id)
-                ).all()
-            )
-        )
+    manifest = manifest_ids(engine, job_id)
+    stored = Counter(rows_per_sample_id(engine, job_id))
     directory = _parquet_dir(engine, job_id, out)
     parquet, foreign, files = _parquet_ids(directory, job_id)
     problems = {

@@ -7,7 +7,7 @@
   COPY on Postgres, one executemany in one transaction on SQLite. Rows are tuples in
   `columns` order; JSON columns take JSON text. Encoding and writing are apart so that
   job creation encodes in the process that parses while the other one sends
-  (producer/manifest.py).
+  (producer/creation.py).
 
 The queries that name these tables' rows are workers/db.py.
 """

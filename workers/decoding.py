@@ -9,7 +9,7 @@ an exception, so one bad prompt cannot stop its shard.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eagle2_core.config import AUTO, JOB_DECODE_KEYS, MODES, DecodeConfig
+from eagle2_core.config import AUTO, MODES, DecodeConfig
 from eagle2_core.engine import (
     BatchDecoder,
     Engine,
@@ -26,14 +26,14 @@ from eagle2_core.engine import (
     load_head,
     seeded_generator,
 )
+from eagle2_core.generation import DecodeStats
 from eagle2_core.models import Target, load_target
 from eagle2_core.precision import dtype_name
 from eagle2_core.registry import DraftUnavailableError, draft_label, draft_source, encode_chat
+from workers.job_settings import JobSettings
 from workers.request import Request
 
 log = logging.getLogger(__name__)
-
-_DEFAULTS = DecodeConfig()
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,26 @@ def describe_device(device: torch.device | str, dtype: torch.dtype) -> str:
     return f"cuda:{index} {torch.cuda.get_device_name(index)} {dtype_name(dtype)}"
 
 
-def _sum_lists(lists: Sequence[Sequence[int]]) -> list[int]:
-    out = [0] * max((len(x) for x in lists), default=0)
-    for values in lists:
-        for i, v in enumerate(values):
-            out[i] += v
-    return out
+def summed_stats(stats: Iterable[DecodeStats]) -> DecodeStats:
+    """Several generations' counters as one (a conversation's turns, a tau measurement):
+    its `tau` and `mean_tree_size` are theirs together, computed where DecodeStats says."""
+    total = DecodeStats()
+    for s in stats:
+        total.n_cycles += s.n_cycles
+        total.round_tokens += s.round_tokens
+        total.tree_nodes += s.tree_nodes
+        for summed, values in (
+            (total.accept_hist, s.accept_hist),
+            (total.depth_attempts, s.depth_attempts),
+            (total.depth_accepts, s.depth_accepts),
+        ):
+            summed.extend([0] * (len(values) - len(summed)))
+            for i, v in enumerate(values):
+                summed[i] += v
+        total.draft_ms += s.draft_ms
+        total.verify_ms += s.verify_ms
+        total.total_ms += s.total_ms
+    return total
 
 
 class SampleDecoder:
@@ -151,11 +165,7 @@ class SampleDecoder:
 
     def config_for(self, request: Request, job_params: Mapping[str, Any]) -> dict[str, Any]:
         """The decode settings of one sample: defaults < job params < per-line overrides."""
-        keys = JOB_DECODE_KEYS
-        settings = {k: getattr(_DEFAULTS, k) for k in keys}
-        settings.update({k: job_params[k] for k in keys if job_params.get(k) is not None})
-        settings.update({k: v for k, v in request.overrides.items() if k in keys})
-        return settings
+        return JobSettings.from_params(job_params).decode_for(request.overrides)
 
     def decode_many(
         self, requests: Iterable[Request], job_params: Mapping[str, Any], origin: RowOrigin
@@ -289,11 +299,8 @@ def _empty_results() -> dict[str, Any]:
 
 
 def _results(turns: list[Generation]) -> dict[str, Any]:
-    stats = [t.stats for t in turns]
-    n_cycles = sum(s.n_cycles for s in stats)
-    round_tokens = sum(s.round_tokens for s in stats)
+    total = summed_stats(t.stats for t in turns)
     completion = sum(t.completion_tokens for t in turns)
-    total_ms = sum(s.total_ms for s in stats)
     return {
         "output_text": turns[-1].text,
         "turn_outputs": [t.text for t in turns],
@@ -302,16 +309,16 @@ def _results(turns: list[Generation]) -> dict[str, Any]:
         "finish_reason": turns[-1].finish_reason,
         # the answer's (the last turn's), as OpenAI's choices[].logprobs
         "logprobs": _logprobs(turns[-1]),
-        "n_cycles": n_cycles,
-        "mean_accept_length": round_tokens / n_cycles if n_cycles else None,
-        "mean_tree_size": sum(s.tree_nodes for s in stats) / n_cycles if n_cycles else None,
-        "accept_hist": _sum_lists([s.accept_hist for s in stats]),
-        "depth_attempts": _sum_lists([s.depth_attempts for s in stats]),
-        "depth_accepts": _sum_lists([s.depth_accepts for s in stats]),
-        "draft_ms": sum(s.draft_ms for s in stats),
-        "verify_ms": sum(s.verify_ms for s in stats),
-        "total_ms": total_ms,
-        "tokens_per_s": completion / (total_ms / 1000) if total_ms > 0 else None,
+        "n_cycles": total.n_cycles,
+        "mean_accept_length": total.tau,
+        "mean_tree_size": total.mean_tree_size,
+        "accept_hist": total.accept_hist,
+        "depth_attempts": total.depth_attempts,
+        "depth_accepts": total.depth_accepts,
+        "draft_ms": total.draft_ms,
+        "verify_ms": total.verify_ms,
+        "total_ms": total.total_ms,
+        "tokens_per_s": completion / (total.total_ms / 1000) if total.total_ms > 0 else None,
     }
 
 

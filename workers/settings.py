@@ -13,9 +13,6 @@ from pathlib import Path
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_OUTPUT_DIR = "./eagle2-out"
-# Lost attempts (workers/heartbeat.py) after which a shard is given up, unless the job
-# says otherwise (--max-attempts); workers/shards.py enforces it.
-DEFAULT_MAX_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)

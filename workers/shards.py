@@ -21,9 +21,9 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, InternalError, Operationa
 
 from workers import db
 from workers.heartbeat import Heartbeat, heartbeat_period, silent_since, stall_after
+from workers.job_settings import JobSettings
 from workers.parquet_sink import write_shard_parquet
 from workers.request import Request
-from workers.settings import DEFAULT_MAX_ATTEMPTS
 
 if TYPE_CHECKING:  # decoding imports torch; the producer side of this module must not
     from workers.decoding import SampleDecoder
@@ -174,7 +174,7 @@ def process_shard(
     if job["state"] == "queued":
         db.set_job_state(db_engine, job_id, "running", expect=["queued"])
     params = job["params"] or {}
-    max_attempts = params.get("max_attempts", DEFAULT_MAX_ATTEMPTS)
+    max_attempts = JobSettings.from_params(params).max_attempts
     origin = RowOrigin(job_id, shard, worker, device)
     try:
         with Heartbeat(db_engine, job_id, shard, heartbeat_period()):

@@ -26,6 +26,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from eagle2_core.config import AUTO
 from workers import db
 from workers.celery_app import app, queue_for
+from workers.job_settings import JobSettings
 from workers.settings import Settings, load_settings
 from workers.shards import RETRYABLE_DB_ERRORS, load_job, mark_failed, process_shard
 from workers.watchdog import start_watchdog
@@ -157,7 +158,7 @@ def decoder_for(job: dict[str, Any]) -> SampleDecoder:
             f"{queue_for(job['model'])})"
         )
     draft = os.environ.get(WORKER_DRAFT_ENV) or job["draft"]
-    job_dtype = (job["params"] or {}).get("dtype", "auto")
+    job_dtype = JobSettings.from_params(job["params"]).dtype
     device, dtype = _device_and_dtype(job_dtype)
     key = (job["model"], draft, job["mode"], dtype)
     if _state.decoder is not None and _state.decoder_key == key:

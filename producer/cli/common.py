@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 
 from eagle2_core.config import CONTROL_BOUNDS
 from producer.database import open_database
+from producer.inputs import InputFileError
 from producer.jobs import JobError, JobSpec, make_spec
 from producer.local_run import Interrupted
 from producer.status import job_failure
@@ -81,11 +82,12 @@ def spec_from_options(options: dict[str, Any]) -> JobSpec:
 
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """The library's outcomes as the CLI reports them: a JobError as its one-line reason
-    (exit status 1), an interrupted run as how to resume it (exit status 130)."""
+    """The library's outcomes as the CLI reports them: a JobError or an unreadable input
+    as its one-line reason (exit status 1), an interrupted run as how to resume it (exit
+    status 130)."""
     try:
         yield
-    except JobError as exc:
+    except (JobError, InputFileError) as exc:
         raise click.ClickException(str(exc)) from exc
     except Interrupted as exc:
         click.echo(f"\n{exc}", err=True)

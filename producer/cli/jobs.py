@@ -13,8 +13,9 @@ import click
 from producer.cli.common import database
 from producer.cli.options import db_url_option, settings_for
 from producer.control import cancel_job, resume_job
-from producer.status import TERMINAL_STATES, find_job, format_status, job_status, rejected_lines
+from producer.status import TERMINAL_STATES, find_job, format_status, job_status
 from producer.verify import format_report, report_failure, verify_job
+from workers.job_queries import rejected_lines
 
 
 @click.command()

@@ -14,15 +14,13 @@ from typing import Any
 
 import click
 
-from eagle2_core.config import AUTO, DTYPES, MODES, DecodeConfig
+from eagle2_core.config import AUTO, DTYPES, MODES
 from eagle2_core.registry import DEFAULT_MODEL
 from producer.cli.control_options import Decorator, control_options
-from producer.inputs import DEFAULT_SHARD_SIZE
 from producer.validate import MAX_SEED
+from workers.job_settings import DECODE_DEFAULTS, DEFAULT_MAX_ATTEMPTS, DEFAULT_SHARD_SIZE
 from workers.request import MAX_COMPLETIONS
-from workers.settings import DEFAULT_MAX_ATTEMPTS, Settings, load_settings
-
-_DEFAULTS = DecodeConfig()
+from workers.settings import Settings, load_settings
 
 
 def count_option(name: str, default: int, help: str, minimum: int = 1, **extra: Any) -> Decorator:
@@ -220,7 +218,7 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
         ),
         count_option(
             "--max-new-tokens",
-            _DEFAULTS.max_new_tokens,
+            DECODE_DEFAULTS.max_new_tokens,
             "Tokens to generate per answer (a line's max_tokens overrides it).",
         ),
         dtype_option(
@@ -229,14 +227,14 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--temperature",
             type=click.FloatRange(min=0),
-            default=_DEFAULTS.temperature,
+            default=DECODE_DEFAULTS.temperature,
             show_default=True,
             help="0 is greedy; above 0 samples (output distribution unchanged by EAGLE).",
         ),
         click.option(
             "--top-p",
             type=click.FloatRange(0, 1, min_open=True),
-            default=_DEFAULTS.top_p,
+            default=DECODE_DEFAULTS.top_p,
             show_default=True,
             help="Nucleus sampling mass (with --temperature > 0).",
         ),
@@ -280,11 +278,11 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--total-tokens",
             type=TreeSize(),
-            default=_DEFAULTS.total_tokens,
+            default=DECODE_DEFAULTS.total_tokens,
             show_default=True,
             help=TREE_SIZE_HELP,
         ),
-        *tree_options(_DEFAULTS.tree_width, _DEFAULTS.tree_depth),
+        *tree_options(DECODE_DEFAULTS.tree_width, DECODE_DEFAULTS.tree_depth),
         count_option(
             "--shard-size",
             DEFAULT_SHARD_SIZE,

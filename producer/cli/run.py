@@ -10,7 +10,7 @@ import click
 
 from producer.cli.common import exit_for, spec_from_options, user_errors
 from producer.cli.options import batch_size_option, input_argument, job_options, settings_for
-from producer.creation import format_plan, plan_input
+from producer.creation import plan_job
 from producer.local_run import format_run, run_job
 
 
@@ -55,8 +55,8 @@ def run(
     settings = settings_for(options["db_url"], options["out"])
     with user_errors():
         if options["dry_run"]:
-            plan = plan_input(input_path, spec)
-            click.echo(format_plan(input_path, spec, plan, as_json=False))
+            plan = plan_job(input_path, spec)
+            click.echo(plan.dry_run(input_path, spec.settings.shard_size, as_json=False))
             return
         done = run_job(
             input_path,

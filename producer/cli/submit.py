@@ -12,9 +12,9 @@ import click
 from producer.cli.common import database, exit_for, spec_from_options, user_errors
 from producer.cli.options import input_argument, job_options, settings_for
 from producer.control import enqueue_shards
-from producer.creation import build_job, describe_counts, format_plan, plan_input
-from producer.jobs import ok_sample_ids, shard_ids
+from producer.creation import create_job, plan_job
 from producer.status import find_job, wait_for
+from workers.job_queries import ok_sample_ids, shard_ids
 
 
 @click.command()
@@ -48,18 +48,17 @@ def submit(
     """
     spec = spec_from_options(options)
     settings = settings_for(options["db_url"], options["out"])
-    if options["dry_run"] and not resume_from:
+    skip: set[str] = set()
+    if resume_from:
+        with database(settings.database_url) as engine:
+            skip = ok_sample_ids(engine, find_job(engine, resume_from)["id"])
+    if options["dry_run"]:
         with user_errors():
-            plan = plan_input(input_path, spec)
-        click.echo(format_plan(input_path, spec, plan, as_json))
+            plan = plan_job(input_path, spec, skip_ids=skip)
+        click.echo(plan.dry_run(input_path, spec.settings.shard_size, as_json))
         return
     with database(settings.database_url) as engine:
-        skip = ok_sample_ids(engine, find_job(engine, resume_from)["id"]) if resume_from else None
-        if options["dry_run"]:
-            plan = plan_input(input_path, spec, skip_ids=skip)
-            click.echo(format_plan(input_path, spec, plan, as_json))
-            return
-        job_id, plan = build_job(
+        job_id, plan = create_job(
             engine,
             input_path,
             spec,
@@ -67,9 +66,10 @@ def submit(
             skip_ids=skip,
             extra_params={"resume_from": resume_from} if resume_from else None,
         )
+        plan.require_samples(input_path, job_id)
         queue = enqueue_shards(job_id, spec.model, shard_ids(engine, job_id))
         click.echo(
-            f"job {job_id}: {describe_counts(plan)} in {plan.shards} shards queued on {queue}"
+            f"job {job_id}: {plan.counts()} in {plan.shards} shards queued on {queue}"
             + (f", {plan.skipped} already done in {resume_from}" if plan.skipped else ""),
             err=True,
         )

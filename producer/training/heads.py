@@ -107,8 +107,7 @@ def measure_tau(
     )
     tokenizer = engine.target.tokenizer
     items = [(i, encode_chat(tokenizer, m), config) for i, (m, _) in enumerate(questions)]
-    rounds = cycles = 0
-    for _, generation in engine.generate_batch(items, batch_size):
-        rounds += generation.stats.round_tokens
-        cycles += generation.stats.n_cycles
-    return rounds / cycles if cycles else None
+    from workers.decoding import summed_stats
+
+    generations = engine.generate_batch(items, batch_size)
+    return summed_stats(generation.stats for _, generation in generations).tau

@@ -20,12 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
-
-from eagle2_core.config import DecodeConfig
 from eagle2_core.registry import ModelLoadError
 from producer.database import open_database, safe_url
-from producer.inputs import DEFAULT_SHARD_SIZE
 from producer.jobs import JobError, make_spec
 from producer.local_run import format_run, run_job
 from producer.status import job_failure
@@ -42,10 +38,9 @@ from producer.training.heads import measure_tau, save_head, snapshots, starting_
 from producer.training.model_card import model_card
 from workers.db import get_job, iter_samples, make_engine
 from workers.job_answers import iter_job_answers
-from workers.schema import jobs_t
+from workers.job_queries import job_ids
+from workers.job_settings import DECODE_DEFAULTS, DEFAULT_SHARD_SIZE
 from workers.settings import load_settings
-
-_DEFAULTS = DecodeConfig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,10 +120,7 @@ def read_answers(directory: Path) -> dict[str, dict[str, Any]]:
     columns = ["sample_id", "output_text", "finish_reason", "status"]
     answers: dict[str, dict[str, Any]] = {}
     try:
-        with engine.connect() as conn:
-            job_ids = conn.execute(select(jobs_t.c.id).order_by(jobs_t.c.created_at)).scalars()
-            job_ids = list(job_ids)
-        for job_id in job_ids:
+        for job_id in job_ids(engine):
             for row in iter_samples(engine, job_id, columns=columns):
                 if row["status"] == "ok" and row["output_text"] is not None:
                     answers.setdefault(row["sample_id"], row)
@@ -150,11 +142,11 @@ def generate_answers(input_path: Path, answers_dir: Path, settings: AnswerSettin
             shard_size=DEFAULT_SHARD_SIZE,
             max_new_tokens=settings.max_new_tokens,
             temperature=settings.temperature,
-            top_p=_DEFAULTS.top_p,
+            top_p=DECODE_DEFAULTS.top_p,
             seed=settings.seed,
-            tree_width=_DEFAULTS.tree_width,
-            tree_depth=_DEFAULTS.tree_depth,
-            total_tokens=_DEFAULTS.total_tokens,
+            tree_width=DECODE_DEFAULTS.tree_width,
+            tree_depth=DECODE_DEFAULTS.tree_depth,
+            total_tokens=DECODE_DEFAULTS.total_tokens,
         )
         run = run_job(
             input_path,

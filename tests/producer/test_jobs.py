@@ -1,4 +1,4 @@
-"""Job creation (producer/jobs.py) against real databases: a generated file of mixed good
+"""Job creation (producer/creation.py) against real databases: a generated file of mixed good
 and bad lines ends up exactly as manifest + rejected lines + shards, nothing else;
 --strict, skipped ids, a failure part-way, and the prompt-length shortcut."""
 
@@ -14,10 +14,10 @@ import pytest
 from sqlalchemy import Engine, func, select
 
 from eagle2_core.draft import new_draft_head, save_draft
-from producer import jobs, manifest
+from producer import creation, tokenizer
+from producer.creation import create_job, plan_job
 from producer.inputs import Request, read_requests, shard_of
-from producer.jobs import JobError, make_spec
-from producer.manifest import create_job, plan_job
+from producer.jobs import JobError, JobSpec, make_spec
 from tests.eagle2_core.tiny import tiny_target
 from workers import db
 
@@ -46,7 +46,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("model"), with_draft=False)[0]
 
 
-def spec(model: Path | str, shard_size: int = 7, **params: Any) -> jobs.JobSpec:
+def spec(model: Path | str, shard_size: int = 7, **params: Any) -> JobSpec:
     return make_spec(model=str(model), draft=None, mode="vanilla", shard_size=shard_size, **params)
 
 
@@ -129,7 +129,7 @@ def test_fuzz_file_becomes_exactly_manifest_rejected_and_shards(
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(lines) + "\n")
     job_spec = spec(tiny_model, shard_size=7)
-    context = jobs.context_check(str(tiny_model))
+    context = tokenizer.context_check(str(tiny_model))
     assert context[1] == CONTEXT
 
     job_id, plan = create_job(engine, path, job_spec, context)
@@ -167,7 +167,7 @@ def test_fuzz_file_becomes_exactly_manifest_rejected_and_shards(
     assert plan.as_dict()["lines"] == len(good) + len(bad)
     assert plan.rejected == len(bad) and plan.shards == len(want)
     assert plan.examples == sorted(plan.examples, key=lambda r: r.line_no)
-    assert len(plan.examples) == min(len(bad), manifest.SHOWN_REJECTED)
+    assert len(plan.examples) == min(len(bad), creation.SHOWN_REJECTED)
 
 
 def test_plan_writes_nothing_and_counts_like_create(
@@ -176,7 +176,7 @@ def test_plan_writes_nothing_and_counts_like_create(
     lines, good, bad = mixed_lines(random.Random(5), 120)
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    context = jobs.context_check(str(tiny_model))
+    context = tokenizer.context_check(str(tiny_model))
     seen: list[int] = []
     plan = plan_job(path, spec(tiny_model), context, on_lines=seen.append)
     assert (plan.requests, plan.rejected, plan.lines) == (len(good), len(bad), sum(seen))
@@ -199,7 +199,7 @@ def test_skip_ids_leave_samples_out_and_count_them(
         engine,
         path,
         spec(tiny_model, shard_size=3),
-        jobs.context_check(str(tiny_model)),
+        tokenizer.context_check(str(tiny_model)),
         skip_ids=skip,
         extra_params={"resume_from": "old"},
     )
@@ -221,7 +221,7 @@ def test_strict_create_deletes_the_job_on_a_bad_line(
     engine = db.make_engine(sqlite_url)
     with pytest.raises(JobError, match="line 21: invalid JSON"):
         create_job(
-            engine, path, spec(tiny_model, 3), jobs.context_check(str(tiny_model)), strict=True
+            engine, path, spec(tiny_model, 3), tokenizer.context_check(str(tiny_model)), strict=True
         )
     for table in (db.jobs_t, db.requests_t, db.shards_t, db.rejected_lines_t):
         with engine.connect() as conn:
@@ -237,12 +237,12 @@ def test_an_unreadable_input_fails_in_the_reading_process_and_leaves_no_job(
     bad = tmp_path / "in.parquet"
     bad.write_bytes(b"PAR1 not really")
     engine = db.make_engine(sqlite_url)
-    context = jobs.context_check(str(tiny_model))
+    context = tokenizer.context_check(str(tiny_model))
     with pytest.raises(InputFileError, match="not a readable Parquet file"):
         create_job(engine, bad, spec(tiny_model, 5), context)
     good = tmp_path / "in.jsonl"
     good.write_text(json.dumps({"prompt": "t5"}) + "\n")
-    monkeypatch.setattr(manifest, "_scan", lambda *args: os._exit(3))  # the reader dies
+    monkeypatch.setattr(creation, "_scan", lambda *args: os._exit(3))  # the reader dies
     with pytest.raises(JobError, match="reading the input stopped: its process exited with code 3"):
         create_job(engine, good, spec(tiny_model, 5), context)
     with engine.connect() as conn:
@@ -255,7 +255,7 @@ def test_failure_part_way_deletes_the_job(
 ) -> None:
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"prompt": "t5"}) + "\n" for _ in range(50)))
-    monkeypatch.setattr(manifest, "_BATCH_ROWS", 10)  # the reading process inherits it
+    monkeypatch.setattr(creation, "_BATCH_ROWS", 10)  # the reading process inherits it
     calls = 0
 
     def flaky_insert(engine: Engine, rows: Any) -> int:
@@ -265,10 +265,10 @@ def test_failure_part_way_deletes_the_job(
             raise KeyboardInterrupt  # Ctrl-C while the manifest is being written
         return db.insert_shards(engine, rows)
 
-    monkeypatch.setattr(manifest, "insert_shards", flaky_insert)
+    monkeypatch.setattr(creation, "insert_shards", flaky_insert)
     engine = db.make_engine(sqlite_url)
     with pytest.raises(KeyboardInterrupt):
-        create_job(engine, path, spec(tiny_model, 5), jobs.context_check(str(tiny_model)))
+        create_job(engine, path, spec(tiny_model, 5), tokenizer.context_check(str(tiny_model)))
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(db.jobs_t)).scalar() == 0
         assert conn.execute(select(func.count()).select_from(db.requests_t)).scalar() == 0
@@ -287,7 +287,7 @@ def test_spec_checks(tmp_path: Path) -> None:
     assert rel.draft == str(head.relative_to(tmp_path))  # not a path from here: kept as given
     assert make_spec(model="m", draft=str(head), mode="eagle2", shard_size=1).draft == str(head)
     with pytest.raises(JobError, match="cannot load the tokenizer"):
-        jobs.context_check(str(tmp_path / "missing-model"))
+        tokenizer.context_check(str(tmp_path / "missing-model"))
 
 
 def test_a_job_system_prompt_opens_conversations_without_one(
@@ -299,7 +299,7 @@ def test_a_job_system_prompt_opens_conversations_without_one(
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     job_spec = make_spec(model=str(tiny_model), draft=None, mode="vanilla", shard_size=5,
                          system="Be brief.")  # fmt: skip
-    job_id, plan = create_job(engine, path, job_spec, jobs.context_check(str(tiny_model)))
+    job_id, plan = create_job(engine, path, job_spec, tokenizer.context_check(str(tiny_model)))
     payloads = {r["sample_id"]: r["payload"] for r in _rows(engine, db.requests_t, job_id)}
     assert payloads["a"]["messages"] == [
         {"role": "system", "content": "Be brief."},
@@ -324,7 +324,7 @@ def test_a_request_of_n_completions_stores_its_conversation_once(
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     skip = {"many#0", "done#0", "done#1"}
-    context = jobs.context_check(str(tiny_model))
+    context = tokenizer.context_check(str(tiny_model))
     job_id, plan = create_job(engine, path, spec(tiny_model, 10), context, skip_ids=skip)
     assert plan.completions == 3 + 1 + 3
     prompts = {r["request_id"]: r["payload"] for r in _rows(engine, db.prompts_t, job_id)}

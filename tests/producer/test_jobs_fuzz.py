@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, select
 
 from migrations import upgrade
-from producer.jobs import ContextCheck, context_check, make_spec
-from producer.manifest import create_job
+from producer.creation import create_job
+from producer.jobs import make_spec
 from producer.storable import text_problem
+from producer.tokenizer import ContextCheck, context_check
 from producer.validate import MAX_ID_CHARS
 from tests.producer.test_inputs import LINE
 from tests.producer.test_jobs import CONTEXT, save_tiny_model

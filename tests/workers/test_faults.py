@@ -34,8 +34,9 @@ from sqlalchemy import Engine, func, select
 from eagle2_core.draft import save_draft
 from migrations import upgrade
 from producer.cli import main
-from producer.jobs import context_check, make_spec
-from producer.manifest import create_job
+from producer.creation import create_job
+from producer.jobs import make_spec
+from producer.tokenizer import context_check
 from tests.eagle2_core.tiny import tiny_head, tiny_target
 from tests.workers.test_decoding import save_tiny_model
 from tests.workers.test_worker_integration import (
