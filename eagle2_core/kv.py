@@ -355,11 +355,10 @@ class RaggedKV:
         index = index.to(self.device)
         offsets = torch.arange(width, device=self.device)
         if not bool((index == offsets).all()):
-            b, (layers, _, heads, _, dim) = self.rows, self.keys.shape
             base = start.starts[:, None]
-            source = (base + index)[None, :, None, :, None].expand(layers, b, heads, width, dim)
-            target = (base + offsets)[None, :, None, :, None].expand(layers, b, heads, width, dim)
-            for store in (self.keys, self.values):
-                rows = store[:, :b]
-                rows.scatter_(3, target, rows.gather(3, source))
+            rows = torch.arange(self.rows, device=self.device)[:, None]
+            source, target = base + index, base + offsets
+            for store in (self.keys, self.values):  # indexed: a bf16 scatter_ copies it all
+                slots_first = store[:, : self.rows].permute(1, 3, 0, 2, 4)  # [B, S, L, H, D]
+                slots_first[rows, target] = slots_first[rows, source]
         self.lens = [n + k for n, k in zip(self.lens, lengths.tolist(), strict=True)]

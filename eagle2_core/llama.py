@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from eagle2_core import cpu_attention
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import RowStarts
 
@@ -119,21 +120,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 @dataclass(frozen=True)
 class Writes:
     """Where a forward writes its new keys and values: slots start.. of every row (an int),
-    or each row's own slots (RaggedKV: scatter index [B, kv_heads, T, D]), and how many
-    slots attention then reads."""
+    or each row's own slots (RaggedKV: slots [B, T], with rows [B, 1] to index them), and
+    how many slots attention then reads."""
 
     start: int
-    index: torch.Tensor | None
+    slots: torch.Tensor | None
     span: int
     chunks: tuple[tuple[int, int, int], ...] = ()  # (first row, end row, span): RowStarts
+    rows: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, start: int | RowStarts, b: int, t: int, shape: HeadShape, device) -> Writes:
+    def of(cls, start: int | RowStarts, b: int, t: int, device) -> Writes:
         if isinstance(start, int):
             return cls(start, None, start + t)
         slots = start.starts.to(device)[:, None] + torch.arange(t, device=device)[None]
-        index = slots[:, None, :, None].expand(b, shape.kv_heads, t, shape.dim)
-        return cls(0, index, start.span, start.chunks)
+        rows = torch.arange(b, device=device)[:, None]
+        return cls(0, slots, start.span, start.chunks, rows)
 
 
 def attend(
@@ -151,31 +153,37 @@ def attend(
     before slot 0. With chunks, each chunk of rows reads only up to its own span: rows of
     different lengths do not all pay for the longest (attention reads every slot it is
     given, masked or not, and at a batch's size that read is most of its time)."""
-    if writes.index is None:
+    if writes.slots is None:
         keys[:, :, writes.start : writes.span] = k
         values[:, :, writes.start : writes.span] = v
-    else:
-        keys.scatter_(2, writes.index, k)
-        values.scatter_(2, writes.index, v)
-    if writes.chunks:
-        out = torch.empty_like(q)
-        for a, b, span in writes.chunks:
-            out[a:b] = F.scaled_dot_product_attention(
-                q[a:b],
-                keys[a:b, :, :span],
-                values[a:b, :, :span],
-                attn_mask=mask[a:b, :, :, :span],
-                enable_gqa=True,
-            )
-        return out
-    return F.scaled_dot_product_attention(
-        q,
-        keys[:, :, : writes.span],
-        values[:, :, : writes.span],
-        attn_mask=mask,
-        is_causal=mask is None,
-        enable_gqa=True,
-    )
+    else:  # an indexed put: scatter_ into a bf16 cache copied all of it on the CPU
+        keys.transpose(1, 2)[writes.rows, writes.slots] = k.transpose(1, 2)
+        values.transpose(1, 2)[writes.rows, writes.slots] = v.transpose(1, 2)
+    if mask is None:
+        return F.scaled_dot_product_attention(
+            q,
+            keys[:, :, : writes.span],
+            values[:, :, : writes.span],
+            is_causal=True,
+            enable_gqa=True,
+        )
+    kernel = cpu_attention.decode_attention if cpu_attention.serves(q) else _sdpa
+    chunks = writes.chunks or ((0, q.shape[0], writes.span),)
+    if len(chunks) == 1:
+        return kernel(q, keys[:, :, : writes.span], values[:, :, : writes.span], mask)
+    out = torch.empty_like(q)
+    for a, b, span in chunks:
+        out[a:b] = kernel(
+            q[a:b], keys[a:b, :, :span], values[a:b, :, :span], mask[a:b, :, :, :span]
+        )
+    return out
+
+
+def _sdpa(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """torch's kernel: in fp32 the arithmetic transformers' `generate` does."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
 
 def rope(rotary: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor):
@@ -242,7 +250,7 @@ def forward(
     """
     x = F.embedding(ids, model.embed)
     angles = rope(model.rotary, x, positions)
-    writes = Writes.of(start, ids.shape[0], ids.shape[1], model.shape, ids.device)
+    writes = Writes.of(start, ids.shape[0], ids.shape[1], ids.device)
     captured = {}
     for index, layer in enumerate(model.layers):
         if index in layers:
