@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from eagle2_core import cpu_attention
 from eagle2_core.llama import LeanLlama, UnsupportedModelError, forward
 from eagle2_core.models import target_from_model
 from tests.eagle2_core.tiny import tiny_target, tiny_tokenizer
@@ -66,3 +67,27 @@ def test_unsupported_architectures_are_refused_by_name():
     model.config.model_type = "gpt2"
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         LeanLlama.of(model)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_bf16_cpu_kernel_is_attention_over_the_masked_slots(tokens):
+    """Against float64 SDPA: GQA heads mapped as transformers maps them (query head h reads
+    KV head h // group), masked slots invisible, slot counts not a multiple of its block of
+    4, a cache slice with its capacity's strides; only slot 0 visible gives its value."""
+    assert cpu_attention.kernel() is not None  # CI's machine has a compiler
+    torch.manual_seed(0)
+    q = torch.randn(3, 6, tokens, 16).bfloat16()
+    keys, values = torch.randn(3, 2, 2, 16, 16).bfloat16()[:, :, :, :11].unbind(1)
+    mask = torch.rand(3, 1, tokens, 11) > 0.4
+    mask[..., 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), keys.double(), values.double(), attn_mask=mask, enable_gqa=True
+    )
+    assert cpu_attention.serves(q)
+    got = cpu_attention.decode_attention(q, keys, values, mask)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), expected, atol=1e-2)
+    mask[..., 1:] = False
+    got = cpu_attention.decode_attention(q, keys, values, mask)
+    first = values[:, :, 0].repeat_interleave(3, dim=1)[:, :, None].expand(3, 6, tokens, 16)
+    assert torch.equal(got, first)
