@@ -44,7 +44,7 @@ static inline void widen(const uint16_t* __restrict x, float* __restrict y, int6
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                torch::Tensor visible, double scale) {
   const int64_t B = q.size(0), KV = q.size(1), R = q.size(2), D = q.size(3);
-  const int64_t S = keys.size(2), T = visible.size(1);
+  const int64_t Sall = keys.size(2), T = visible.size(1);
   auto out = torch::zeros_like(q);
   const float* qp = q.data_ptr<float>();
   const bool* mp = visible.data_ptr<bool>();
@@ -55,13 +55,17 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
   const int64_t vb = values.stride(0), vh = values.stride(1), vs = values.stride(2);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(R * S), rows(4 * D);
+    std::vector<float> scores(R * Sall), rows(4 * D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KV, h = i % KV;
       const float* qi = qp + i * R * D;
-      const bool* mi = mp + b * T * S;
+      const bool* mi = mp + b * T * Sall;
       const uint16_t* ki = kp + b * kb + h * kh;
       const uint16_t* vi = vp + b * vb + h * vh;
+      int64_t S = 0;  // this row's slots: up to its last visible one (rows differ in length)
+      for (int64_t s = Sall - 1; s >= 0 && S == 0; --s)
+        for (int64_t t = 0; t < T; ++t)
+          if (mi[t * Sall + s]) { S = s + 1; break; }
       for (int64_t s0 = 0; s0 < S; s0 += 4) {  // 4 keys read once, for every query row
         const int64_t n = std::min<int64_t>(4, S - s0);
         for (int64_t j = 0; j < 4; ++j) {
@@ -86,7 +90,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
       }
       for (int64_t r = 0; r < R; ++r) {  // softmax over the visible slots
         float* sr = scores.data() + r * S;
-        const bool* mr = mi + (r % T) * S;
+        const bool* mr = mi + (r % T) * Sall;
         float peak = -INFINITY, sum = 0.f;
         for (int64_t s = 0; s < S; ++s) {
           sr[s] = mr[s] ? sr[s] : -INFINITY;
@@ -188,7 +192,8 @@ def decode_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """q [B, heads, T, D] over keys, values [B, kv_heads, S, D] (bf16) where mask
-    [B, 1, T, S] is True; [B, heads, T, D] in q's dtype."""
+    [B, 1, T, S] is True; [B, heads, T, D] in q's dtype. Each row reads its slots up to
+    its last visible one, so rows of different lengths need no chunking."""
     b, heads, t, dim = q.shape
     kv_heads = keys.shape[1]
     stacked = q.reshape(b, kv_heads, heads // kv_heads * t, dim).float().contiguous()

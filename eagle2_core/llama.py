@@ -167,15 +167,14 @@ def attend(
             is_causal=True,
             enable_gqa=True,
         )
-    kernel = cpu_attention.decode_attention if cpu_attention.serves(q) else _sdpa
-    chunks = writes.chunks or ((0, q.shape[0], writes.span),)
-    if len(chunks) == 1:
-        return kernel(q, keys[:, :, : writes.span], values[:, :, : writes.span], mask)
+    span = writes.span
+    if cpu_attention.serves(q):  # reads each row only up to its own last visible slot
+        return cpu_attention.decode_attention(q, keys[:, :, :span], values[:, :, :span], mask)
+    if not writes.chunks:
+        return _sdpa(q, keys[:, :, :span], values[:, :, :span], mask)
     out = torch.empty_like(q)
-    for a, b, span in chunks:
-        out[a:b] = kernel(
-            q[a:b], keys[a:b, :, :span], values[a:b, :, :span], mask[a:b, :, :, :span]
-        )
+    for a, b, span in writes.chunks:
+        out[a:b] = _sdpa(q[a:b], keys[a:b, :, :span], values[a:b, :, :span], mask[a:b, :, :, :span])
     return out
 
 
