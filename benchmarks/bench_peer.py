@@ -86,7 +86,7 @@ def plain_model_folder(model: str, folder: Path) -> Path:
 
 
 def run_ours(
-    items: list[tuple[str, str]], dtype: str, max_tokens: int, extra: list[str], work: Path
+    items: list[tuple[str, str]], dtype: str | None, max_tokens: int, extra: list[str], work: Path
 ) -> dict:
     """`eagle2-batch run` over the prompts, timed as a whole command; outputs by id."""
     import pyarrow.parquet as pq
@@ -102,8 +102,7 @@ def run_ours(
         str(out),
         "--max-new-tokens",
         str(max_tokens),
-        "--dtype",
-        dtype,
+        *(["--dtype", dtype] if dtype else []),
         *extra,
     ]
     print("$ " + shlex.join(command), file=sys.stderr, flush=True)
