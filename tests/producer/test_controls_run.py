@@ -42,10 +42,11 @@ def run_job(model: Path, head: Path, mode: str, tmp_path: Path) -> tuple[Path, s
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in LINES))
     out = tmp_path / mode
+    # fp32: the logprobs are checked against transformers' fp32 forward
     done = run_cli(
         str(prompts), "--out", str(out), "--model", str(model), "--draft", str(head),
         "--mode", mode, "--max-new-tokens", "10", "--logit-bias", "9=2.5",
-        "--min-tokens", "3", cwd=tmp_path,
+        "--min-tokens", "3", "--dtype", "fp32", cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return out, done.stdout.strip().splitlines()[-1], done.stderr
