@@ -19,6 +19,7 @@ import torch
 from eagle2_core import grammar
 from eagle2_core.config import DecodeConfig
 from eagle2_core.engine import load_engine
+from eagle2_core.generation import DecodeStats
 from eagle2_core.registry import DEFAULT_MODEL, encode_chat
 
 SCHEMA = {
@@ -78,7 +79,7 @@ def main() -> None:
         for mode in ("vanilla", "eagle2"):
             config = DecodeConfig.from_settings(mode, {"max_new_tokens": args.tokens, **extra})
             tokens = wall = grammar_s = 0.0
-            cycles = round_tokens = 0
+            stats = DecodeStats()
             for i, ids in enumerate(prompts):
                 clock.seconds = 0.0
                 start = time.perf_counter()
@@ -86,12 +87,11 @@ def main() -> None:
                 wall += time.perf_counter() - start
                 grammar_s += clock.seconds
                 tokens += out.completion_tokens
-                cycles += out.stats.n_cycles
-                round_tokens += out.stats.round_tokens
+                stats.add(out.stats)
                 outputs[(mode, i)] = out
                 if extra:
                     jsonschema.validate(json.loads(out.text), SCHEMA)
-            tau = round_tokens / cycles if cycles else float("nan")
+            tau = stats.tau if stats.tau is not None else float("nan")
             rows.append((label, mode, tokens, wall, grammar_s, tau))
         if extra:
             same = all(

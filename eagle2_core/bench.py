@@ -22,6 +22,7 @@ import torch
 
 from eagle2_core.config import DecodeConfig
 from eagle2_core.engine import Engine
+from eagle2_core.generation import DecodeStats
 from eagle2_core.models import Target
 from eagle2_core.registry import encode_chat
 
@@ -37,15 +38,13 @@ class ModeResult:
     questions: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    round_tokens: int = 0
-    cycles: int = 0
-    tree_nodes: int = 0
+    stats: DecodeStats = field(default_factory=DecodeStats)
     per_question_tps: list[float] = field(default_factory=list)
     outputs: list[list[list[int]]] = field(default_factory=list)  # [question][turn] token ids
 
     @property
     def tau(self) -> float | None:
-        return self.round_tokens / self.cycles if self.cycles else None
+        return self.stats.tau
 
     @property
     def mean_tps(self) -> float:
@@ -57,14 +56,18 @@ class ModeResult:
             "questions": self.questions,
             "new_tokens": self.tokens,
             "seconds": round(self.seconds, 3),
-            "tau": round(self.tau, 3) if self.tau is not None else None,
-            "tree_size": round(self.tree_nodes / self.cycles, 2) if self.cycles else None,
+            "tau": _rounded(self.tau, 3),
+            "tree_size": _rounded(self.stats.mean_tree_size, 2),
             "tokens_per_s": round(self.mean_tps, 2),
             "speedup": _ratio(self, baseline),
         }
         if plain is not None:
             row["vs_engine_vanilla"] = _ratio(self, plain)
         return row
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return round(value, digits) if value is not None else None
 
 
 def _ratio(result: ModeResult, baseline: ModeResult | None) -> float | None:
@@ -132,9 +135,8 @@ def run_bench(
                 mode_config = DecodeConfig(**{**config.__dict__, "mode": engine_mode})
                 turns = engine.chat(messages, followups, mode_config)
                 outputs = [t.token_ids for t in turns]
-                result.round_tokens += sum(t.stats.round_tokens for t in turns)
-                result.cycles += sum(t.stats.n_cycles for t in turns)
-                result.tree_nodes += sum(t.stats.tree_nodes for t in turns)
+                for turn in turns:
+                    result.stats.add(turn.stats)
             elapsed = time.perf_counter() - start
             tokens = sum(len(o) for o in outputs)
             result.questions += 1
@@ -161,24 +163,20 @@ class ShardResult:
     batch_size: int
     tokens: int
     seconds: float
-    round_tokens: int = 0
-    cycles: int = 0
-    tree_nodes: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
+    stats: DecodeStats = field(default_factory=DecodeStats)
     outputs: dict[int, list[int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        busy = self.draft_ms + self.verify_ms
+        busy = self.stats.draft_ms + self.stats.verify_ms
         return {
             "name": self.name,
             "batch_size": self.batch_size,
             "new_tokens": self.tokens,
             "seconds": round(self.seconds, 2),
             "tokens_per_s": round(self.tokens / self.seconds, 2) if self.seconds else None,
-            "tau": round(self.round_tokens / self.cycles, 3) if self.cycles else None,
-            "tree_size": round(self.tree_nodes / self.cycles, 2) if self.cycles else None,
-            "draft_share": round(self.draft_ms / busy, 3) if busy else None,
+            "tau": _rounded(self.stats.tau, 3),
+            "tree_size": _rounded(self.stats.mean_tree_size, 2),
+            "draft_share": round(self.stats.draft_ms / busy, 3) if busy else None,
         }
 
 
@@ -212,14 +210,9 @@ def _engine_shard(
     items = [(i, p, config) for i, p in enumerate(prompts)]
     result = ShardResult(name, batch_size, 0, 0.0)
     for key, generation in engine.generate_batch(items, batch_size):
-        stats = generation.stats
         result.outputs[key] = generation.token_ids
         result.tokens += generation.completion_tokens
-        result.round_tokens += stats.round_tokens
-        result.cycles += stats.n_cycles
-        result.tree_nodes += stats.tree_nodes
-        result.draft_ms += stats.draft_ms
-        result.verify_ms += stats.verify_ms
+        result.stats.add(generation.stats)
     result.seconds = time.perf_counter() - start
     return result
 

@@ -4,6 +4,7 @@ speed, shared by every decoding mode."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,31 @@ class DecodeStats:
     def mean_tree_size(self) -> float | None:
         """Nodes verified per cycle (the tree size the rounds chose)."""
         return self.tree_nodes / self.n_cycles if self.n_cycles else None
+
+    @classmethod
+    def summed(cls, stats: Iterable[DecodeStats]) -> DecodeStats:
+        """Several generations' counters as one (a conversation's turns, a benchmark's
+        mode, a tau measurement): its tau and tree size are theirs together."""
+        total = cls()
+        for s in stats:
+            total.add(s)
+        return total
+
+    def add(self, other: DecodeStats) -> None:
+        self.n_cycles += other.n_cycles
+        self.round_tokens += other.round_tokens
+        self.tree_nodes += other.tree_nodes
+        for summed, values in (
+            (self.accept_hist, other.accept_hist),
+            (self.depth_attempts, other.depth_attempts),
+            (self.depth_accepts, other.depth_accepts),
+        ):
+            summed.extend([0] * (len(values) - len(summed)))
+            for i, v in enumerate(values):
+                summed[i] += v
+        self.draft_ms += other.draft_ms
+        self.verify_ms += other.verify_ms
+        self.total_ms += other.total_ms
 
     def record(self, nodes: int, accepted: int, offered: int, emitted: int) -> None:
         """One cycle: a tree of `nodes` nodes, `accepted` drafts taken, depths 1..offered

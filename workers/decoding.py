@@ -57,28 +57,6 @@ def describe_device(device: torch.device | str, dtype: torch.dtype) -> str:
     return f"cuda:{index} {torch.cuda.get_device_name(index)} {dtype_name(dtype)}"
 
 
-def summed_stats(stats: Iterable[DecodeStats]) -> DecodeStats:
-    """Several generations' counters as one (a conversation's turns, a tau measurement):
-    its `tau` and `mean_tree_size` are theirs together, computed where DecodeStats says."""
-    total = DecodeStats()
-    for s in stats:
-        total.n_cycles += s.n_cycles
-        total.round_tokens += s.round_tokens
-        total.tree_nodes += s.tree_nodes
-        for summed, values in (
-            (total.accept_hist, s.accept_hist),
-            (total.depth_attempts, s.depth_attempts),
-            (total.depth_accepts, s.depth_accepts),
-        ):
-            summed.extend([0] * (len(values) - len(summed)))
-            for i, v in enumerate(values):
-                summed[i] += v
-        total.draft_ms += s.draft_ms
-        total.verify_ms += s.verify_ms
-        total.total_ms += s.total_ms
-    return total
-
-
 class SampleDecoder:
     """A loaded target and draft head plus the row format of their outputs."""
 
@@ -299,7 +277,7 @@ def _empty_results() -> dict[str, Any]:
 
 
 def _results(turns: list[Generation]) -> dict[str, Any]:
-    total = summed_stats(t.stats for t in turns)
+    total = DecodeStats.summed(t.stats for t in turns)
     completion = sum(t.completion_tokens for t in turns)
     return {
         "output_text": turns[-1].text,

@@ -102,12 +102,12 @@ def measure_tau(
 ) -> float | None:
     """Greedy EAGLE-2 tau (the reference's fixed tree) over the questions' first turns,
     decoded in batches."""
+    from eagle2_core.generation import DecodeStats
+
     config = DecodeConfig(
         mode="eagle2", max_new_tokens=max_new_tokens, total_tokens=REFERENCE_TREE_TOKENS
     )
     tokenizer = engine.target.tokenizer
     items = [(i, encode_chat(tokenizer, m), config) for i, (m, _) in enumerate(questions)]
-    from workers.decoding import summed_stats
-
     generations = engine.generate_batch(items, batch_size)
-    return summed_stats(generation.stats for _, generation in generations).tau
+    return DecodeStats.summed(generation.stats for _, generation in generations).tau
