@@ -188,6 +188,11 @@ class DecodeConfig:
     top_logprobs: int = 0  # alternatives per token, with logprobs
     response_format: str | None = None  # its JSON text (eagle2_core/response_format.py)
 
+    @property
+    def planned(self) -> bool:
+        """Whether the planner sizes each round's tree by this device's costs (plan.py)."""
+        return self.total_tokens == AUTO
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from eagle2_core.config import AUTO, DEFAULT_BATCH_SIZE, DecodeConfig
+from eagle2_core.config import DEFAULT_BATCH_SIZE, DecodeConfig
 from eagle2_core.controls import controls_for, draft_adjust, process_trees
 from eagle2_core.cost import CostModel
 from eagle2_core.drafters import Drafter
@@ -28,7 +28,7 @@ from eagle2_core.llama import forward
 from eagle2_core.logprobs import TokenLogprob, path_logprobs, token_logprobs
 from eagle2_core.models import Target
 from eagle2_core.plan import MAX_NODES, Calibration, Planner
-from eagle2_core.sequence import Prefill, Sequence, decoded_text, finish_reason, first_stop
+from eagle2_core.sequence import Prefill, Sequence, completion, finish_reason
 from eagle2_core.tree import TreeBatch, root_only, roots_only, select, stack
 from eagle2_core.verify import Accepted, Uniforms, accept, choose_token, draw, target_probs
 
@@ -95,7 +95,7 @@ class BatchDecoder:
 
         The first row that sizes its trees by cost has the cost table loaded (measured,
         on a new machine) before its clock starts: that is the machine's, not its time."""
-        planned = config.mode == "eagle2" and config.total_tokens == AUTO and drafter is None
+        planned = config.mode == "eagle2" and config.planned and drafter is None
         if planned and self.engine.lean_head is not None:
             self.engine.costs(self.batch_size)
         start = time.perf_counter()
@@ -267,7 +267,7 @@ class BatchDecoder:
         rounds."""
         top_k, depth = self.shape
         device = self.target.device
-        auto = all(s.config.total_tokens == AUTO for s in self.rows)
+        auto = all(s.config.planned for s in self.rows)
         if auto and self.rest > 0:
             self.rest -= 1
             return roots_only(self.fresh.roots()), None, True
@@ -402,8 +402,7 @@ class BatchDecoder:
         gone = [i for i, seq in enumerate(self.rows) if seq.finish is not None]
         if not gone:
             return
-        for i in gone:
-            self._retire(self.rows[i])
+        self.finished += [(self.rows[i].key, completion(self.rows[i], self.target)) for i in gone]
         order = self.kv.remove_rows(gone)
         if self.dynamic is not None and self.dynamic.remove_rows(gone) != order:
             raise AssertionError("the draft cache's rows left the target's order")
@@ -429,15 +428,6 @@ class BatchDecoder:
             )
         self.rows = [self.rows[i] for i in order]
 
-    def _retire(self, seq: Sequence) -> None:
-        text = decoded_text(seq, self.target)
-        cut = first_stop(text, seq.config.stop)
-        text = text[:cut] if cut is not None else text
-        generation = Generation(
-            seq.output, text, seq.finish, seq.prompt_len, seq.stats, seq.logprobs
-        )
-        self.finished.append((seq.key, generation))
-
 
 @dataclass(frozen=True)
 class _Step:
@@ -453,4 +443,4 @@ class _Step:
 
 
 def _budget(config: DecodeConfig) -> int:
-    return MAX_NODES if config.total_tokens == AUTO else config.total_tokens
+    return MAX_NODES if config.planned else config.total_tokens

@@ -11,7 +11,7 @@ import torch
 from eagle2_core.config import DecodeConfig
 from eagle2_core.controls import RowControls
 from eagle2_core.drafters import Drafter
-from eagle2_core.generation import DecodeStats
+from eagle2_core.generation import DecodeStats, Generation
 from eagle2_core.logprobs import TokenLogprob
 from eagle2_core.models import Target
 from eagle2_core.verify import Uniforms
@@ -88,3 +88,11 @@ def finish_reason(seq: Sequence, target: Target) -> str | None:
     if len(seq.output) >= seq.config.max_new_tokens:
         return "length"
     return None
+
+
+def completion(seq: Sequence, target: Target) -> Generation:
+    """A finished sequence's completion: its text ends before its first stop string."""
+    text = decoded_text(seq, target)
+    cut = first_stop(text, seq.config.stop)
+    text = text[:cut] if cut is not None else text
+    return Generation(seq.output, text, seq.finish, seq.prompt_len, seq.stats, seq.logprobs)
