@@ -45,6 +45,17 @@ def private_cache_dir() -> Iterator[None]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_xdist_worker() -> None:
+    """Under `pytest -n N` the N test processes already fill the cores: a torch process
+    that also spins up a thread per core makes them wait on each other (the SmolLM2 tests
+    took 10 minutes beside a busy neighbour instead of 30 s)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Tiny models on a busy 2-core machine: 2 threads spin-wait, 20-50x slower than 1."""
