@@ -29,100 +29,228 @@ SOURCE = r"""
 #include <cstring>
 #include <algorithm>
 #include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
-static inline void widen(const uint16_t* __restrict x, float* __restrict y, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) {
-    const uint32_t bits = static_cast<uint32_t>(x[d]) << 16;
-    std::memcpy(y + d, &bits, 4);
+// One (row, KV head) of a batch: the query rows r = g * T + t (query head h * G + g at new
+// token t) over the row's first S slots. scores has room for rows4 x stride floats.
+struct Item {
+  const uint16_t* q[16];  // each query row's D values (R <= 16)
+  const uint16_t* keys;
+  const uint16_t* values;
+  const bool* visible;  // [T, Sall]: token t's visible slots
+  uint16_t* out[16];    // each query row's D outputs
+  int64_t R, T, S, Sall, D, ks, vs;
+  float scale;
+};
+
+static inline float widen1(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float y;
+  std::memcpy(&y, &bits, 4);
+  return y;
+}
+
+static inline uint16_t narrow1(float x) {  // round to nearest even, as torch's .to(bf16)
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if (std::isnan(x)) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Any CPU, any head size: plain loops.
+static void attend_plain(const Item& it, float* scores, float* acc) {
+  const int64_t D = it.D, S = it.S;
+  for (int64_t r = 0; r < it.R; ++r) {
+    float* sr = scores + r * S;
+    const bool* mr = it.visible + (r % it.T) * it.Sall;
+    float peak = -INFINITY, sum = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      const uint16_t* kr = it.keys + s * it.ks;
+      float a = 0.f;
+      for (int64_t d = 0; d < D; ++d) a += widen1(it.q[r][d]) * widen1(kr[d]);
+      sr[s] = mr[s] ? a * it.scale : -INFINITY;
+      peak = std::max(peak, sr[s]);
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      sr[s] = mr[s] ? std::exp(sr[s] - peak) : 0.f;
+      sum += sr[s];
+    }
+    float* a = acc + r * D;
+    std::fill(a, a + D, 0.f);
+    for (int64_t s = 0; s < S; ++s) {
+      const uint16_t* vr = it.values + s * it.vs;
+      for (int64_t d = 0; d < D; ++d) a[d] += sr[s] * widen1(vr[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) it.out[r][d] = narrow1(a[d] / sum);
   }
 }
 
-// q [B, KV, R, D] fp32 (row r = g * T + t: query head g of the group, new token t);
-// keys, values [B, KV, S, D] bf16 (the last dim contiguous); visible [B, T, S] bool.
-// Returns [B, KV, R, D] fp32.
+#if defined(__AVX512BF16__)
+// 16 vectors in, one out: lane j is the sum of v[j]'s 16 lanes (a transpose-add).
+static inline __m512 sum16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xdd));
+}
+
+static inline __m512 widen16(const uint16_t* x) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 (scores less their peak): Cephes' expf polynomial, 2^n by scalef.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// AVX512-BF16, head size a multiple of 64: bf16 pairs multiplied into fp32 sums
+// (vdpbf16ps), 16 slots' scores at a time, 4 query rows x 64 outputs kept in registers.
+static void attend_vector(const Item& it, float* scores, int64_t stride) {
+  const int64_t S = it.S, D = it.D;
+
+  const __m512 neg = _mm512_set1_ps(-INFINITY);
+  float norm[16];
+  for (int64_t r = 0; r < it.R; ++r) {
+    float* sr = scores + r * stride;
+    const bool* mr = it.visible + (r % it.T) * it.Sall;
+    __m512 peak = neg;
+    for (int64_t s0 = 0; s0 < S; s0 += 16) {
+      const int64_t n = std::min<int64_t>(16, S - s0);
+      const uint16_t* k0 = it.keys + s0 * it.ks;
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) dots[j] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D / 32; ++c) {
+        const __m512bh qc = (__m512bh)_mm512_loadu_si512(it.q[r] + 32 * c);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j)
+          if (j < n)
+            dots[j] = _mm512_dpbf16_ps(
+                dots[j], (__m512bh)_mm512_loadu_si512(k0 + j * it.ks + 32 * c), qc);
+      }
+      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+      const __m128i seen = _mm_maskz_loadu_epi8(lanes, mr + s0);
+      const __mmask16 vis = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(seen),
+                                                   _mm512_set1_epi32(0xff));
+      const __m512 x = _mm512_mask_mul_ps(neg, vis, sum16(dots), _mm512_set1_ps(it.scale));
+      _mm512_storeu_ps(sr + s0, x);
+      peak = _mm512_max_ps(peak, x);
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t s0 = 0; s0 < S; s0 += 16) {
+      const __m512 x = _mm512_loadu_ps(sr + s0);
+      const __mmask16 vis = _mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(x, top)));
+      _mm512_storeu_ps(sr + s0, e);  // lanes past S: zero (vis excludes them)
+      total = _mm512_add_ps(total, e);
+    }
+    norm[r] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  for (int64_t r0 = 0; r0 < it.R; r0 += 4)
+    for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
+      __m512 sums[4][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_ps();
+      const float* p0 = scores + r0 * stride;  // rows past R are zeros
+      for (int64_t s = 0; s < S; ++s) {
+        const uint16_t* vr = it.values + s * it.vs + 16 * c0;
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) v[c] = widen16(vr + 16 * c);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m512 p = _mm512_set1_ps(p0[r * stride + s]);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_fmadd_ps(p, v[c], sums[r][c]);
+        }
+      }
+      for (int64_t r = 0; r < std::min<int64_t>(4, it.R - r0); ++r) {
+        const __m512 scale = _mm512_set1_ps(norm[r0 + r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(it.out[r0 + r] + 16 * (c0 + c)),
+              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[r][c], scale)));
+      }
+    }
+}
+#endif
+
+// q [B, T, H, D] bf16 (any strides, D contiguous); keys, values [B, KV, S, D] bf16 (D
+// contiguous); visible [B, T, S] bool. Query head h reads KV head h / (H / KV), as
+// transformers' repeat_kv maps them. Returns [B, T, H * D] bf16: what the output
+// projection takes. Scores, softmax and the weighted sum are fp32.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                torch::Tensor visible, double scale) {
-  const int64_t B = q.size(0), KV = q.size(1), R = q.size(2), D = q.size(3);
-  const int64_t Sall = keys.size(2), T = visible.size(1);
-  auto out = torch::zeros_like(q);
-  const float* qp = q.data_ptr<float>();
-  const bool* mp = visible.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t KV = keys.size(1), Sall = keys.size(2), G = H / KV, R = G * T;
+  TORCH_CHECK(R <= 16, "at most 16 query rows per KV head, got ", R);
+  auto out = torch::empty({B, T, H * D}, q.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(values.data_ptr());
-  const int64_t kb = keys.stride(0), kh = keys.stride(1), ks = keys.stride(2);
-  const int64_t vb = values.stride(0), vh = values.stride(1), vs = values.stride(2);
-  const float sc = static_cast<float>(scale);
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const bool* mp = visible.data_ptr<bool>();
+#if defined(__AVX512BF16__)
+  const bool vector = D % 64 == 0;
+#else
+  const bool vector = false;
+#endif
   at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(R * Sall), rows(4 * D);
+    const int64_t stride = Sall + 16, rows4 = (R + 3) / 4 * 4;
+    std::vector<float> scores(rows4 * stride, 0.f), acc(R * D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KV, h = i % KV;
-      const float* qi = qp + i * R * D;
-      const bool* mi = mp + b * T * Sall;
-      const uint16_t* ki = kp + b * kb + h * kh;
-      const uint16_t* vi = vp + b * vb + h * vh;
-      int64_t S = 0;  // this row's slots: up to its last visible one (rows differ in length)
-      for (int64_t s = Sall - 1; s >= 0 && S == 0; --s)
+      Item it;
+      it.keys = kp + b * keys.stride(0) + h * keys.stride(1);
+      it.values = vp + b * values.stride(0) + h * values.stride(1);
+      it.visible = mp + b * T * Sall;
+      it.R = R, it.T = T, it.Sall = Sall, it.D = D, it.scale = static_cast<float>(scale);
+      it.ks = keys.stride(2), it.vs = values.stride(2);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t t = r % T, head = h * G + r / T;
+        it.q[r] = qp + b * q.stride(0) + t * q.stride(1) + head * q.stride(2);
+        it.out[r] = op + (b * T + t) * H * D + head * D;
+      }
+      it.S = 0;  // this row's slots: up to its last visible one (rows differ in length)
+      for (int64_t s = Sall - 1; s >= 0 && it.S == 0; --s)
         for (int64_t t = 0; t < T; ++t)
-          if (mi[t * Sall + s]) { S = s + 1; break; }
-      for (int64_t s0 = 0; s0 < S; s0 += 4) {  // 4 keys read once, for every query row
-        const int64_t n = std::min<int64_t>(4, S - s0);
-        for (int64_t j = 0; j < 4; ++j) {
-          if (j < n) widen(ki + (s0 + j) * ks, rows.data() + j * D, D);
-          else std::fill(rows.begin() + j * D, rows.begin() + (j + 1) * D, 0.f);
-        }
-        const float* k0 = rows.data();
-        const float *k1 = k0 + D, *k2 = k0 + 2 * D, *k3 = k0 + 3 * D;
-        for (int64_t r = 0; r < R; ++r) {
-          const float* qr = qi + r * D;
-          float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-          for (int64_t d = 0; d < D; ++d) {
-            a0 += qr[d] * k0[d];
-            a1 += qr[d] * k1[d];
-            a2 += qr[d] * k2[d];
-            a3 += qr[d] * k3[d];
-          }
-          const float a[4] = {a0, a1, a2, a3};
-          for (int64_t j = 0; j < n; ++j) scores[r * S + s0 + j] = a[j] * sc;
-        }
-      }
-      for (int64_t r = 0; r < R; ++r) {  // softmax over the visible slots
-        float* sr = scores.data() + r * S;
-        const bool* mr = mi + (r % T) * Sall;
-        float peak = -INFINITY, sum = 0.f;
-        for (int64_t s = 0; s < S; ++s) {
-          sr[s] = mr[s] ? sr[s] : -INFINITY;
-          peak = std::max(peak, sr[s]);
-        }
-#pragma omp simd reduction(+ : sum)
-        for (int64_t s = 0; s < S; ++s) {
-          sr[s] = std::exp(sr[s] - peak);
-          sum += sr[s];
-        }
-        const float norm = 1.f / sum;
-#pragma omp simd
-        for (int64_t s = 0; s < S; ++s) sr[s] *= norm;
-      }
-      float* oi = op + i * R * D;
-      for (int64_t s0 = 0; s0 < S; s0 += 4) {  // 4 values read once
-        const int64_t n = std::min<int64_t>(4, S - s0);
-        for (int64_t j = 0; j < 4; ++j) {
-          if (j < n) widen(vi + (s0 + j) * vs, rows.data() + j * D, D);
-          else std::fill(rows.begin() + j * D, rows.begin() + (j + 1) * D, 0.f);
-        }
-        const float* v0 = rows.data();
-        const float *v1 = v0 + D, *v2 = v0 + 2 * D, *v3 = v0 + 3 * D;
-        for (int64_t r = 0; r < R; ++r) {
-          const float* sr = scores.data() + r * S + s0;
-          const float p0 = sr[0], p1 = n > 1 ? sr[1] : 0.f, p2 = n > 2 ? sr[2] : 0.f,
-                      p3 = n > 3 ? sr[3] : 0.f;
-          float* o = oi + r * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
-        }
-      }
+          if (it.visible[t * Sall + s]) { it.S = s + 1; break; }
+#if defined(__AVX512BF16__)
+      if (vector) { attend_vector(it, scores.data(), stride); continue; }
+#endif
+      attend_plain(it, scores.data(), acc.data());
     }
   });
   return out;
@@ -179,11 +307,11 @@ def kernel():
 
 
 def serves(q: torch.Tensor) -> bool:
-    """Whether this kernel attends q [B, heads, T, D]: bf16 on a CPU, a few tokens a row."""
+    """Whether this kernel attends q [B, T, heads, D]: bf16 on a CPU, a few tokens a row."""
     return (
         q.device.type == "cpu"
         and q.dtype == torch.bfloat16
-        and q.shape[2] <= MAX_TOKENS
+        and q.shape[1] <= MAX_TOKENS
         and kernel() is not None
     )
 
@@ -191,11 +319,10 @@ def serves(q: torch.Tensor) -> bool:
 def decode_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """q [B, heads, T, D] over keys, values [B, kv_heads, S, D] (bf16) where mask
-    [B, 1, T, S] is True; [B, heads, T, D] in q's dtype. Each row reads its slots up to
-    its last visible one, so rows of different lengths need no chunking."""
-    b, heads, t, dim = q.shape
-    kv_heads = keys.shape[1]
-    stacked = q.reshape(b, kv_heads, heads // kv_heads * t, dim).float().contiguous()
-    out = kernel().decode_attention(stacked, keys, values, mask[:, 0].contiguous(), dim**-0.5)
-    return out.view(b, heads, t, dim).to(q.dtype)
+    """q [B, T, heads, D] (as the q|k|v product lays it out) over keys, values
+    [B, kv_heads, S, D] (bf16) where mask [B, 1, T, S] is True; [B, T, heads * D], what
+    the output projection takes. Each row reads its slots up to its last visible one, so
+    rows of different lengths need no chunking."""
+    return kernel().decode_attention(
+        q, keys, values, mask[:, 0].contiguous(), q.shape[-1] ** -0.5
+    )

@@ -147,35 +147,40 @@ def attend(
     writes: Writes,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Write k, v [B, kv_heads, T, D] into the layer's cache [B, kv_heads, S, D] where
-    `writes` says and attend q [B, heads, T, D] over its first span slots. mask
-    [B, 1, T, span] bool (True = visible); None = causal over a cache that holds nothing
-    before slot 0. With chunks, each chunk of rows reads only up to its own span: rows of
-    different lengths do not all pay for the longest (attention reads every slot it is
-    given, masked or not, and at a batch's size that read is most of its time)."""
+    """Write k, v [B, T, kv_heads, D] into the layer's cache [B, kv_heads, S, D] where
+    `writes` says and attend q [B, T, heads, D] over its first span slots; returns
+    [B, T, heads * D]. mask [B, 1, T, span] bool (True = visible); None = causal over a
+    cache that holds nothing before slot 0. With chunks, each chunk of rows reads only up
+    to its own span: rows of different lengths do not all pay for the longest (attention
+    reads every slot it is given, masked or not, and at a batch's size that read is most
+    of its time)."""
+    b, t, heads, dim = q.shape
     if writes.slots is None:
-        keys[:, :, writes.start : writes.span] = k
-        values[:, :, writes.start : writes.span] = v
+        keys[:, :, writes.start : writes.span] = k.transpose(1, 2)
+        values[:, :, writes.start : writes.span] = v.transpose(1, 2)
     else:  # an indexed put: scatter_ into a bf16 cache copied all of it on the CPU
-        keys.transpose(1, 2)[writes.rows, writes.slots] = k.transpose(1, 2)
-        values.transpose(1, 2)[writes.rows, writes.slots] = v.transpose(1, 2)
-    if mask is None:
-        return F.scaled_dot_product_attention(
-            q,
-            keys[:, :, : writes.span],
-            values[:, :, : writes.span],
-            is_causal=True,
-            enable_gqa=True,
-        )
+        keys.transpose(1, 2)[writes.rows, writes.slots] = k
+        values.transpose(1, 2)[writes.rows, writes.slots] = v
     span = writes.span
-    if cpu_attention.serves(q):  # reads each row only up to its own last visible slot
+    if mask is not None and cpu_attention.serves(q):  # each row up to its last visible slot
         return cpu_attention.decode_attention(q, keys[:, :, :span], values[:, :, :span], mask)
-    if not writes.chunks:
-        return _sdpa(q, keys[:, :, :span], values[:, :, :span], mask)
-    out = torch.empty_like(q)
-    for a, b, span in writes.chunks:
-        out[a:b] = _sdpa(q[a:b], keys[a:b, :, :span], values[a:b, :, :span], mask[a:b, :, :, :span])
-    return out
+    q = q.transpose(1, 2)
+    if mask is None:
+        out = F.scaled_dot_product_attention(
+            q, keys[:, :, :span], values[:, :, :span], is_causal=True, enable_gqa=True
+        )
+    elif not writes.chunks:
+        out = _sdpa(q, keys[:, :, :span], values[:, :, :span], mask)
+    else:
+        out = torch.empty_like(q)
+        for a, z, rows_span in writes.chunks:
+            out[a:z] = _sdpa(
+                q[a:z],
+                keys[a:z, :, :rows_span],
+                values[a:z, :, :rows_span],
+                mask[a:z, :, :, :rows_span],
+            )
+    return out.transpose(1, 2).reshape(b, t, heads * dim)
 
 
 def _sdpa(
@@ -212,16 +217,7 @@ def self_attention(
     mixed = qkv(x)
     qk = rotate(mixed[..., : (heads + kv_heads) * dim].view(b, t, heads + kv_heads, dim), *angles)
     v = mixed[..., (heads + kv_heads) * dim :].view(b, t, kv_heads, dim)
-    out = attend(
-        qk[:, :, :heads].transpose(1, 2),
-        qk[:, :, heads:].transpose(1, 2),
-        v.transpose(1, 2),
-        keys,
-        values,
-        writes,
-        mask,
-    )
-    return o(out.transpose(1, 2).reshape(b, t, heads * dim))
+    return o(attend(qk[:, :, :heads], qk[:, :, heads:], v, keys, values, writes, mask))
 
 
 def mlp(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:

@@ -69,25 +69,29 @@ def test_unsupported_architectures_are_refused_by_name():
         LeanLlama.of(model)
 
 
+@pytest.mark.parametrize("dim", [16, 64])  # 64: the vector path (head sizes of 32k)
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_the_bf16_cpu_kernel_is_attention_over_the_masked_slots(tokens):
+def test_the_bf16_cpu_kernel_is_attention_over_the_masked_slots(tokens, dim):
     """Against float64 SDPA: GQA heads mapped as transformers maps them (query head h reads
-    KV head h // group), masked slots invisible, slot counts not a multiple of its block of
-    4, a cache slice with its capacity's strides; only slot 0 visible gives its value."""
+    KV head h // group), masked slots invisible, slot counts not a multiple of its blocks,
+    a cache slice with its capacity's strides, q a strided view as the q|k|v product
+    leaves it; only slot 0 visible gives its value."""
     assert cpu_attention.kernel() is not None  # CI's machine has a compiler
     torch.manual_seed(0)
-    q = torch.randn(3, 6, tokens, 16).bfloat16()
-    keys, values = torch.randn(3, 2, 2, 16, 16).bfloat16()[:, :, :, :11].unbind(1)
-    mask = torch.rand(3, 1, tokens, 11) > 0.4
+    q = torch.randn(3, tokens, 8, dim).bfloat16()[:, :, :6]  # [B, T, heads, D], strided
+    keys, values = torch.randn(3, 2, 2, 40, dim).bfloat16()[:, :, :, :35].unbind(1)
+    mask = torch.rand(3, 1, tokens, 35) > 0.4
     mask[..., 0] = True
+    mask[1, ..., 19:] = False  # a shorter row
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), keys.double(), values.double(), attn_mask=mask, enable_gqa=True
-    )
+        q.transpose(1, 2).double(), keys.double(), values.double(), attn_mask=mask,
+        enable_gqa=True,
+    ).transpose(1, 2).reshape(3, tokens, 6 * dim)  # fmt: skip
     assert cpu_attention.serves(q)
     got = cpu_attention.decode_attention(q, keys, values, mask)
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == torch.bfloat16 and got.shape == (3, tokens, 6 * dim)
     assert torch.allclose(got.double(), expected, atol=1e-2)
     mask[..., 1:] = False
-    got = cpu_attention.decode_attention(q, keys, values, mask)
-    first = values[:, :, 0].repeat_interleave(3, dim=1)[:, :, None].expand(3, 6, tokens, 16)
+    got = cpu_attention.decode_attention(q, keys, values, mask).view(3, tokens, 6, dim)
+    first = values[:, :, 0].repeat_interleave(3, dim=1)[:, None].expand(3, tokens, 6, dim)
     assert torch.equal(got, first)
