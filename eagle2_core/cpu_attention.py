@@ -145,6 +145,13 @@ static void attend_vector(const Item& it, float* scores, int64_t stride) {
     for (int64_t s0 = 0; s0 < S; s0 += 16) {
       const int64_t n = std::min<int64_t>(16, S - s0);
       const uint16_t* k0 = it.keys + s0 * it.ks;
+      if (r == 0)  // the next block's keys and this block's values, ahead of their use
+        for (int64_t j = 0; j < std::min<int64_t>(16, S - s0); ++j)
+          for (int64_t d = 0; d < D; d += 32) {
+            _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + j) * it.ks + d), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
+                         _MM_HINT_T0);
+          }
       __m512 dots[16];
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) dots[j] = _mm512_setzero_ps();
