@@ -12,13 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from eagle2_core import cpu_attention
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import RaggedKV
 from eagle2_core.llama import LeanLlama, forward
 from eagle2_core.registry import DEFAULT_MODEL, END_OF_TURN_TOKENS, ModelLoadError, resolve_model
+from eagle2_core.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -89,8 +90,8 @@ def load_target(
     """Load a target by alias, directory, GGUF file or Hub id (Hub only with allow_download)."""
     source = resolve_model(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            source, local_files_only=not allow_download, trust_remote_code=trust_remote_code
+        tokenizer = load_tokenizer(
+            source, allow_download=allow_download, trust_remote_code=trust_remote_code
         )
         model = AutoModelForCausalLM.from_pretrained(
             source,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from eagle2_core.registry import ModelLoadError, resolve_model
+from eagle2_core.tokenizer import load_tokenizer
 from producer.jobs import JobError, one_line
 from producer.prompt_length import TokenCounter, prompt_token_counter
 
@@ -14,11 +15,11 @@ ContextCheck = tuple[TokenCounter, int]
 
 
 def _tokenizer_and_config(model: str) -> tuple[Any, Any]:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     try:
         source = resolve_model(model)
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        tokenizer = load_tokenizer(source)
         config = AutoConfig.from_pretrained(source, local_files_only=True)
     except (ModelLoadError, OSError, ValueError) as exc:
         raise JobError(f"cannot load the tokenizer of model {model!r}: {one_line(exc)}") from exc

@@ -50,14 +50,15 @@ def write_draft_vocab(
 ) -> tuple[DraftVocab, list[Counter[int]], Path]:
     """The `size` tokens most frequent in DATA's answers (every file weighs the same),
     written to OUT; (the vocabulary, each file's token counts, the file written)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
+    from eagle2_core.tokenizer import load_tokenizer
     from eagle2_core.train.data import end_of_turn_id
     from eagle2_core.vocab import DraftVocab, count_answers, mix
 
     try:
         source = resolve_model(model)
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        tokenizer = load_tokenizer(source)
         vocab_size = AutoConfig.from_pretrained(source, local_files_only=True).vocab_size
     except (OSError, ModelLoadError) as exc:
         raise VocabError(f"cannot load the tokenizer of {model!r}: {exc}") from None
