@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from eagle2_core import cpu_attention
-from eagle2_core.llama import LeanLlama, UnsupportedModelError, forward
+from eagle2_core import bf16_cpu
+from eagle2_core.llama import LeanLlama, UnsupportedModelError, forward, rotate
 from eagle2_core.models import target_from_model
 from tests.eagle2_core.tiny import tiny_target, tiny_tokenizer
 
@@ -76,7 +76,7 @@ def test_the_bf16_cpu_kernel_is_attention_over_the_masked_slots(tokens, dim):
     KV head h // group), masked slots invisible, slot counts not a multiple of its blocks,
     a cache slice with its capacity's strides, q a strided view as the q|k|v product
     leaves it; only slot 0 visible gives its value."""
-    assert cpu_attention.kernel() is not None  # CI's machine has a compiler
+    assert bf16_cpu.kernel() is not None  # CI's machine has a compiler
     torch.manual_seed(0)
     q = torch.randn(3, tokens, 8, dim).bfloat16()[:, :, :6]  # [B, T, heads, D], strided
     keys, values = torch.randn(3, 2, 2, 40, dim).bfloat16()[:, :, :, :35].unbind(1)
@@ -87,11 +87,58 @@ def test_the_bf16_cpu_kernel_is_attention_over_the_masked_slots(tokens, dim):
         q.transpose(1, 2).double(), keys.double(), values.double(), attn_mask=mask,
         enable_gqa=True,
     ).transpose(1, 2).reshape(3, tokens, 6 * dim)  # fmt: skip
-    assert cpu_attention.serves(q)
-    got = cpu_attention.decode_attention(q, keys, values, mask)
+    assert bf16_cpu.serves(q, tokens)
+    got = bf16_cpu.decode_attention(q, keys, values, mask)
     assert got.dtype == torch.bfloat16 and got.shape == (3, tokens, 6 * dim)
     assert torch.allclose(got.double(), expected, atol=1e-2)
     mask[..., 1:] = False
-    got = cpu_attention.decode_attention(q, keys, values, mask).view(3, tokens, 6, dim)
+    got = bf16_cpu.decode_attention(q, keys, values, mask).view(3, tokens, 6, dim)
     first = values[:, :, 0].repeat_interleave(3, dim=1)[:, None].expand(3, tokens, 6, dim)
     assert torch.equal(got, first)
+
+
+@pytest.mark.parametrize("dim", [16, 64])
+@torch.inference_mode()
+def test_the_fused_bf16_block_equals_rope_then_the_cache_write_then_the_kernel(dim):
+    """rope_attend rounds as llama.rotate does and writes each new key and value to its
+    own row's slot: the same bits as the three steps one after the other."""
+    torch.manual_seed(0)
+    b, t, heads, kv_heads, capacity = 3, 2, 6, 2, 24
+    mixed = torch.randn(b, t, (heads + 2 * kv_heads) * dim).bfloat16()
+    angles = [torch.randn(b, t, 1, dim).bfloat16() for _ in range(2)]
+    keys, values = torch.randn(2, b, kv_heads, capacity, dim).bfloat16()
+    lengths = torch.tensor([5, 9, 7])
+    slots = lengths[:, None] + torch.arange(t)
+    span = int(slots.max()) + 1
+    positions = torch.arange(span)[None, None]
+    mask = ((positions < lengths[:, None, None]) | (positions == slots[:, :, None]))[:, None]
+    mask[0, 0, 1, slots[0, 0]] = True  # the second new token sees the first
+
+    qk = rotate(mixed[..., : (heads + kv_heads) * dim].view(b, t, -1, dim), *angles)
+    v = mixed[..., (heads + kv_heads) * dim :].view(b, t, kv_heads, dim)
+    want_keys, want_values = keys.clone(), values.clone()
+    rows = torch.arange(b)[:, None]
+    want_keys.transpose(1, 2)[rows, slots] = qk[:, :, heads:]
+    want_values.transpose(1, 2)[rows, slots] = v
+    want = bf16_cpu.decode_attention(
+        qk[:, :, :heads], want_keys[:, :, :span], want_values[:, :, :span], mask
+    )
+    got = bf16_cpu.rope_attend(mixed, angles, keys, values, slots, mask, heads)
+    assert torch.equal(got, want)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_the_fused_bf16_norm_is_the_sum_and_torchs_rms_norm(with_delta):
+    """The residual sum bit for bit as torch adds in bf16; the norm within one bf16 step
+    of F.rms_norm (its fp32 sum of squares is added up in another order)."""
+    torch.manual_seed(0)
+    x, delta = (torch.randn(2, 37, 576) * 3).bfloat16()
+    weight = torch.rand(576).bfloat16() + 0.5
+    total, normed = bf16_cpu.add_rms_norm(x, delta if with_delta else None, weight, 1e-5)
+    want_total = x + delta if with_delta else x
+    assert torch.equal(total, want_total)
+    want = torch.nn.functional.rms_norm(want_total, (576,), weight, 1e-5)
+    steps = (normed.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)
+    assert float(steps.max()) <= 2**-7  # one bf16 step at most
+    assert float((normed != want).float().mean()) < 0.01

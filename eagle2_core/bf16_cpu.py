@@ -262,6 +262,123 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
   });
   return out;
 }
+
+// x (+ delta) [N, H] and RMSNorm of the sum, as torch computes it in bf16: the sum rounded
+// to bf16; rstd = 1 / sqrt(sum(s^2) / H + eps) and y = bf16(s * rstd * weight) in fp32.
+// Returns (sum, y); the sum is x itself when delta is undefined.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
+                                        torch::Tensor weight, double eps) {
+  x = x.contiguous();
+  const int64_t H = x.size(-1), N = x.numel() / H;
+  torch::Tensor sum = x;
+  if (delta.has_value()) {
+    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must be shaped as x");
+    sum = torch::empty_like(x);
+  }
+  auto y = torch::empty_like(x);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* dp = nullptr;
+  torch::Tensor dc;
+  if (delta.has_value()) {
+    dc = delta->contiguous();
+    dp = reinterpret_cast<const uint16_t*>(dc.data_ptr());
+  }
+  auto* sp = reinterpret_cast<uint16_t*>(sum.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  auto wc = weight.contiguous();
+  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t i = begin; i < end; ++i) {
+      const uint16_t* xr = xp + i * H;
+      uint16_t* sr = sp + i * H;
+      float squares = 0.f;
+      for (int64_t d = 0; d < H; ++d) {
+        float v = widen1(xr[d]);
+        if (dp != nullptr) {
+          const uint16_t rounded = narrow1(v + widen1(dp[i * H + d]));
+          sr[d] = rounded;
+          v = widen1(rounded);
+        }
+        row[d] = v;
+        squares += v * v;
+      }
+      const float rstd = 1.f / std::sqrt(squares / static_cast<float>(H) + e);
+      uint16_t* yr = yp + i * H;
+      for (int64_t d = 0; d < H; ++d) yr[d] = narrow1(row[d] * rstd * widen1(wp[d]));
+    }
+  });
+  return {sum, y};
+}
+
+// RoPE of one head's D values as transformers applies it in bf16, each product and the
+// sum rounded to bf16: y = x * cos + rotate_half(x) * sin.
+static void rope_head(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t* y,
+                      int64_t D) {
+  const int64_t half = D / 2;
+#if defined(__AVX512BF16__)
+  if (half % 16 == 0) {
+    auto round = [](__m512 v) {
+      return _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+    };
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 other = d < half ? _mm512_xor_ps(widen16(x + d + half), _mm512_set1_ps(-0.f))
+                                    : widen16(x + d - half);
+      const __m512 sum = _mm512_add_ps(round(_mm512_mul_ps(widen16(x + d), widen16(c + d))),
+                                       round(_mm512_mul_ps(other, widen16(s + d))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d), (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) {
+    const float other = d < half ? -widen1(x[d + half]) : widen1(x[d - half]);
+    const float a = widen1(narrow1(widen1(x[d]) * widen1(c[d])));
+    const float b = widen1(narrow1(other * widen1(s[d])));
+    y[d] = narrow1(a + b);
+  }
+}
+
+// One attention block's middle for a few new tokens per row, in one call: RoPE on the
+// queries and keys of mixed [B, T, (H + 2 KV) * D] (the q|k|v product), the new keys and
+// values written to slots [B, T] of the cache [B, KV, capacity, D], then decode_attention
+// over its first `span` slots. cos, sin [B, T, D].
+torch::Tensor rope_attend(torch::Tensor mixed, torch::Tensor cos, torch::Tensor sin,
+                          torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
+                          torch::Tensor visible, int64_t heads, double scale) {
+  const int64_t B = mixed.size(0), T = mixed.size(1), KV = keys.size(1), D = keys.size(3);
+  const int64_t width = (heads + 2 * KV) * D;
+  TORCH_CHECK(mixed.is_contiguous() && mixed.size(2) == width, "mixed: [B, T, (H + 2 KV) D]");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  slots = slots.contiguous();
+  auto q = torch::empty({B, T, heads, D}, mixed.options());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mixed.data_ptr());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  auto* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
+  auto* kp = reinterpret_cast<uint16_t*>(keys.data_ptr());
+  auto* vp = reinterpret_cast<uint16_t*>(values.data_ptr());
+  const int64_t kb = keys.stride(0), kh = keys.stride(1), ks = keys.stride(2);
+  const int64_t vb = values.stride(0), vh = values.stride(1), vs = values.stride(2);
+  at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / T, at = slot[i];
+      const uint16_t* row = mp + i * width;
+      const uint16_t *c = cp + i * D, *s = sp + i * D;
+      for (int64_t h = 0; h < heads; ++h) rope_head(row + h * D, c, s, qp + (i * heads + h) * D, D);
+      for (int64_t h = 0; h < KV; ++h) {
+        rope_head(row + (heads + h) * D, c, s, kp + b * kb + h * kh + at * ks, D);
+        std::memcpy(vp + b * vb + h * vh + at * vs, row + (heads + KV + h) * D, D * 2);
+      }
+    }
+  });
+  const int64_t span = visible.size(2);
+  return decode_attention(q, keys.narrow(2, 0, span), values.narrow(2, 0, span), visible, scale);
+}
 """
 
 
@@ -289,17 +406,17 @@ def kernel():
     try:
         from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-        name = f"eagle2_cpu_attention_{_cpu_tag()}"
+        name = f"eagle2_bf16_cpu_{_cpu_tag()}"
         if not any(Path(_get_build_directory(name, False)).glob("*.so")):
             print(
-                "compiling the bf16 CPU attention kernel (once per machine, about a minute)",
+                "compiling the bf16 CPU kernels (once per machine, about a minute)",
                 file=sys.stderr,
                 flush=True,
             )
         return load_inline(
             name=name,
             cpp_sources=[SOURCE],
-            functions=["decode_attention"],
+            functions=["decode_attention", "rope_attend", "add_rms_norm"],
             extra_cflags=[
                 "-O3",
                 "-march=native",
@@ -309,18 +426,48 @@ def kernel():
             ],
         )
     except Exception as error:  # no compiler, ninja or headers: torch's kernel instead
-        print(f"bf16 CPU attention kernel unavailable, using torch's: {error}", file=sys.stderr)
+        print(f"bf16 CPU kernels unavailable, using torch's: {error}", file=sys.stderr)
         return None
 
 
-def serves(q: torch.Tensor) -> bool:
-    """Whether this kernel attends q [B, T, heads, D]: bf16 on a CPU, a few tokens a row."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
-        and q.shape[1] <= MAX_TOKENS
-        and kernel() is not None
-    )
+def fuses(x: torch.Tensor) -> bool:
+    """Whether these kernels take x's arithmetic: bf16 on a CPU, where they compiled."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and kernel() is not None
+
+
+def serves(x: torch.Tensor, tokens: int) -> bool:
+    """Whether rope_attend attends for x: `fuses` it, and a few new tokens a row."""
+    return tokens <= MAX_TOKENS and fuses(x)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its RMSNorm) in one pass over the rows (x alone where delta is None),
+    rounded as torch rounds `x + delta` and F.rms_norm in bf16."""
+    total, normed = kernel().add_rms_norm(x, delta, weight, eps)
+    return total, normed
+
+
+def rope_attend(
+    mixed: torch.Tensor,
+    angles: tuple[torch.Tensor, torch.Tensor],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """An attention block's middle in one call: RoPE (cos, sin [B, T, 1, D]) on the
+    queries and keys of mixed [B, T, (heads + 2 kv_heads) * D], the new keys and values
+    written to slots [B, T] of the cache [B, kv_heads, capacity, D], attention over the
+    first mask.shape[-1] slots; [B, T, heads * D]. Each step rounds as llama.rotate, the
+    cache writes and decode_attention do one after the other, in fewer passes."""
+    cos, sin = angles
+    return kernel().rope_attend(
+        mixed, cos[:, :, 0], sin[:, :, 0], keys, values, slots, mask[:, 0].contiguous(),
+        heads, keys.shape[-1] ** -0.5,
+    )  # fmt: skip
 
 
 def decode_attention(
