@@ -33,15 +33,16 @@ SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-// One (row, KV head) of a batch: the query rows r = g * T + t (query head h * G + g at new
-// token t) over the row's first S slots. scores has room for rows4 x stride floats.
+// One (row, KV head, block of new tokens) of a batch: up to 16 query rows (each query
+// head of the group at each token of the block) over the row's first S slots. scores has
+// room for rows4 x stride floats.
 struct Item {
-  const uint16_t* q[16];  // each query row's D values (R <= 16)
+  const uint16_t* q[16];     // each query row's D values
+  const bool* visible[16];   // each query row's visible slots (its token's)
+  uint16_t* out[16];         // each query row's D outputs
   const uint16_t* keys;
   const uint16_t* values;
-  const bool* visible;  // [T, Sall]: token t's visible slots
-  uint16_t* out[16];    // each query row's D outputs
-  int64_t R, T, S, Sall, D, ks, vs;
+  int64_t R, S, D, ks, vs;
   float scale;
 };
 
@@ -65,7 +66,7 @@ static void attend_plain(const Item& it, float* scores, float* acc) {
   const int64_t D = it.D, S = it.S;
   for (int64_t r = 0; r < it.R; ++r) {
     float* sr = scores + r * S;
-    const bool* mr = it.visible + (r % it.T) * it.Sall;
+    const bool* mr = it.visible[r];
     float peak = -INFINITY, sum = 0.f;
     for (int64_t s = 0; s < S; ++s) {
       const uint16_t* kr = it.keys + s * it.ks;
@@ -140,7 +141,7 @@ static void attend_vector(const Item& it, float* scores, int64_t stride) {
   float norm[16];
   for (int64_t r = 0; r < it.R; ++r) {
     float* sr = scores + r * stride;
-    const bool* mr = it.visible + (r % it.T) * it.Sall;
+    const bool* mr = it.visible[r];
     __m512 peak = neg;
     for (int64_t s0 = 0; s0 < S; s0 += 16) {
       const int64_t n = std::min<int64_t>(16, S - s0);
@@ -217,12 +218,14 @@ static void attend_vector(const Item& it, float* scores, int64_t stride) {
 // q [B, T, H, D] bf16 (any strides, D contiguous); keys, values [B, KV, S, D] bf16 (D
 // contiguous); visible [B, T, S] bool. Query head h reads KV head h / (H / KV), as
 // transformers' repeat_kv maps them. Returns [B, T, H * D] bf16: what the output
-// projection takes. Scores, softmax and the weighted sum are fp32.
+// projection takes. Scores, softmax and the weighted sum are fp32. Many new tokens (a
+// prefill, a large tree) go in blocks of 16 / G, each block up to its last visible slot.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                torch::Tensor visible, double scale) {
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
-  const int64_t KV = keys.size(1), Sall = keys.size(2), G = H / KV, R = G * T;
-  TORCH_CHECK(R <= 16, "at most 16 query rows per KV head, got ", R);
+  const int64_t KV = keys.size(1), Sall = keys.size(2), G = H / KV;
+  TORCH_CHECK(G <= 16, "at most 16 query heads per KV head, got ", G);
+  const int64_t block = 16 / G, blocks = (T + block - 1) / block;
   auto out = torch::empty({B, T, H * D}, q.options());
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
@@ -234,28 +237,33 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 #else
   const bool vector = false;
 #endif
-  at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-    const int64_t stride = Sall + 16, rows4 = (R + 3) / 4 * 4;
-    std::vector<float> scores(rows4 * stride, 0.f), acc(R * D);
+  at::parallel_for(0, B * KV * blocks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t stride = Sall + 16;
+    std::vector<float> scores(16 * stride, 0.f), acc(16 * D);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / KV, h = i % KV;
+      const int64_t b = i / (KV * blocks), h = i / blocks % KV, t0 = i % blocks * block;
+      const int64_t tokens = std::min(block, T - t0);
       Item it;
       it.keys = kp + b * keys.stride(0) + h * keys.stride(1);
       it.values = vp + b * values.stride(0) + h * values.stride(1);
-      it.visible = mp + b * T * Sall;
-      it.R = R, it.T = T, it.Sall = Sall, it.D = D, it.scale = static_cast<float>(scale);
+      it.R = G * tokens, it.D = D, it.scale = static_cast<float>(scale);
       it.ks = keys.stride(2), it.vs = values.stride(2);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t t = r % T, head = h * G + r / T;
+      it.S = 0;  // up to the block's last visible slot (rows differ in length)
+      for (int64_t r = 0; r < it.R; ++r) {  // row r: query head h * G + r / tokens
+        const int64_t t = t0 + r % tokens, head = h * G + r / tokens;
         it.q[r] = qp + b * q.stride(0) + t * q.stride(1) + head * q.stride(2);
         it.out[r] = op + (b * T + t) * H * D + head * D;
+        it.visible[r] = mp + (b * T + t) * Sall;
+        for (int64_t s = Sall - 1; s >= it.S; --s)
+          if (it.visible[r][s]) { it.S = s + 1; break; }
       }
-      it.S = 0;  // this row's slots: up to its last visible one (rows differ in length)
-      for (int64_t s = Sall - 1; s >= 0 && it.S == 0; --s)
-        for (int64_t t = 0; t < T; ++t)
-          if (it.visible[t * Sall + s]) { it.S = s + 1; break; }
 #if defined(__AVX512BF16__)
-      if (vector) { attend_vector(it, scores.data(), stride); continue; }
+      if (vector) {
+        for (int64_t r = it.R; r < (it.R + 3) / 4 * 4; ++r)  // rows past R weigh nothing
+          std::fill(scores.begin() + r * stride, scores.begin() + r * stride + it.S, 0.f);
+        attend_vector(it, scores.data(), stride);
+        continue;
+      }
 #endif
       attend_plain(it, scores.data(), acc.data());
     }
@@ -395,11 +403,6 @@ def _cpu_tag() -> str:
     return hashlib.sha256((SOURCE + flags + torch.__version__).encode()).hexdigest()[:16]
 
 
-# Up to this many new tokens per row the kernel beat torch's flash kernel (bf16, 64 rows,
-# 150-330 slots: 1 token 2.1 vs 14.7 ms, 4 tokens 5.2 vs 11.5); at 6 flash was ahead.
-MAX_TOKENS = 4
-
-
 @cache
 def kernel():
     """The compiled module, or None where it cannot be built here (said once)."""
@@ -433,11 +436,6 @@ def kernel():
 def fuses(x: torch.Tensor) -> bool:
     """Whether these kernels take x's arithmetic: bf16 on a CPU, where they compiled."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and kernel() is not None
-
-
-def serves(x: torch.Tensor, tokens: int) -> bool:
-    """Whether rope_attend attends for x: `fuses` it, and a few new tokens a row."""
-    return tokens <= MAX_TOKENS and fuses(x)
 
 
 def add_rms_norm(

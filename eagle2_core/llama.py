@@ -141,6 +141,17 @@ class Writes:
     chunks: tuple[tuple[int, int, int], ...] = ()  # (first row, end row, span): RowStarts
     rows: torch.Tensor | None = None
 
+    def slots_of(self, b: int, t: int) -> torch.Tensor:
+        """Each row's new slots [B, T]."""
+        if self.slots is not None:
+            return self.slots
+        return (self.start + torch.arange(t)).expand(b, t)
+
+    def causal(self, slots: torch.Tensor) -> torch.Tensor:
+        """The mask of mask=None: each new token sees its row's slots up to its own."""
+        seen = torch.arange(self.span, device=slots.device)[None, None] <= slots[:, :, None]
+        return seen[:, None]
+
     @classmethod
     def of(cls, start: int | RowStarts, b: int, t: int, device) -> Writes:
         if isinstance(start, int):
@@ -225,10 +236,9 @@ def self_attention(
         writes = Writes(writes, None, writes + t)
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.dim
     mixed = qkv(x)
-    if mask is not None and bf16_cpu.serves(x, t):  # bf16 on a CPU: one pass
-        slots = writes.slots
-        if slots is None:
-            slots = (writes.start + torch.arange(t, device=x.device)).expand(b, t)
+    if bf16_cpu.fuses(x):  # bf16 on a CPU: one pass
+        slots = writes.slots_of(b, t)
+        mask = mask if mask is not None else writes.causal(slots)
         return o(bf16_cpu.rope_attend(mixed, angles, keys, values, slots, mask, heads))
     qk = rotate(mixed[..., : (heads + kv_heads) * dim].view(b, t, heads + kv_heads, dim), *angles)
     v = mixed[..., (heads + kv_heads) * dim :].view(b, t, kv_heads, dim)
@@ -262,6 +272,8 @@ def forward(
     angles = rope(model.rotary, x, positions)
     writes = Writes.of(start, ids.shape[0], ids.shape[1], ids.device)
     captured = {}
+    if mask is None and bf16_cpu.fuses(x):  # its kernel takes the causal mask, once
+        mask = writes.causal(writes.slots_of(*ids.shape))
     norms = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
     x, h = add_rms_norm(x, None, model.layers[0].input_norm, model.eps)
     for index, (layer, following) in enumerate(zip(model.layers, norms, strict=True)):

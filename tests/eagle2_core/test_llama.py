@@ -70,7 +70,7 @@ def test_unsupported_architectures_are_refused_by_name():
 
 
 @pytest.mark.parametrize("dim", [16, 64])  # 64: the vector path (head sizes of 32k)
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 7])  # 7: two blocks of new tokens (16 // 3 = 5)
 def test_the_bf16_cpu_kernel_is_attention_over_the_masked_slots(tokens, dim):
     """Against float64 SDPA: GQA heads mapped as transformers maps them (query head h reads
     KV head h // group), masked slots invisible, slot counts not a multiple of its blocks,
@@ -87,7 +87,7 @@ def test_the_bf16_cpu_kernel_is_attention_over_the_masked_slots(tokens, dim):
         q.transpose(1, 2).double(), keys.double(), values.double(), attn_mask=mask,
         enable_gqa=True,
     ).transpose(1, 2).reshape(3, tokens, 6 * dim)  # fmt: skip
-    assert bf16_cpu.serves(q, tokens)
+    assert bf16_cpu.fuses(q)
     got = bf16_cpu.decode_attention(q, keys, values, mask)
     assert got.dtype == torch.bfloat16 and got.shape == (3, tokens, 6 * dim)
     assert torch.allclose(got.double(), expected, atol=1e-2)
