@@ -237,10 +237,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 #else
   const bool vector = false;
 #endif
-  at::parallel_for(0, B * KV * blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t items = B * KV * blocks;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     const int64_t stride = Sall + 16;
     std::vector<float> scores(16 * stride, 0.f), acc(16 * D);
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t n = begin; n < end; ++n) {
+      // first, last, second, second to last...: the decoder sorts rows longest first, and
+      // each thread's contiguous share of items should hold long and short rows alike
+      const int64_t i = n % 2 == 0 ? n / 2 : items - 1 - n / 2;
       const int64_t b = i / (KV * blocks), h = i / blocks % KV, t0 = i % blocks * block;
       const int64_t tokens = std::min(block, T - t0);
       Item it;
