@@ -1,0 +1,371 @@
+// bf16 on a CPU: decode attention (with RoPE and the cache write) and the residual add with
+// its RMSNorm. Compiled on first use by bf16_cpu.py (torch's cpp_extension, -march=native);
+// that module's docstring says why each exists.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+// One (row, KV head, block of new tokens) of a batch: up to 16 query rows (each query
+// head of the group at each token of the block) over the row's first S slots. scores has
+// room for rows4 x stride floats.
+struct Item {
+  const uint16_t* q[16];     // each query row's D values
+  const bool* visible[16];   // each query row's visible slots (its token's)
+  uint16_t* out[16];         // each query row's D outputs
+  const uint16_t* keys;
+  const uint16_t* values;
+  int64_t R, S, D, ks, vs;
+  float scale;
+};
+
+static inline float widen1(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float y;
+  std::memcpy(&y, &bits, 4);
+  return y;
+}
+
+static inline uint16_t narrow1(float x) {  // round to nearest even, as torch's .to(bf16)
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if (std::isnan(x)) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Any CPU, any head size: plain loops.
+static void attend_plain(const Item& it, float* scores, float* acc) {
+  const int64_t D = it.D, S = it.S;
+  for (int64_t r = 0; r < it.R; ++r) {
+    float* sr = scores + r * S;
+    const bool* mr = it.visible[r];
+    float peak = -INFINITY, sum = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      const uint16_t* kr = it.keys + s * it.ks;
+      float a = 0.f;
+      for (int64_t d = 0; d < D; ++d) a += widen1(it.q[r][d]) * widen1(kr[d]);
+      sr[s] = mr[s] ? a * it.scale : -INFINITY;
+      peak = std::max(peak, sr[s]);
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      sr[s] = mr[s] ? std::exp(sr[s] - peak) : 0.f;
+      sum += sr[s];
+    }
+    float* a = acc + r * D;
+    std::fill(a, a + D, 0.f);
+    for (int64_t s = 0; s < S; ++s) {
+      const uint16_t* vr = it.values + s * it.vs;
+      for (int64_t d = 0; d < D; ++d) a[d] += sr[s] * widen1(vr[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) it.out[r][d] = narrow1(a[d] / sum);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// 16 vectors in, one out: lane j is the sum of v[j]'s 16 lanes (a transpose-add).
+static inline __m512 sum16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xdd));
+}
+
+static inline __m512 widen16(const uint16_t* x) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 (scores less their peak): Cephes' expf polynomial, 2^n by scalef.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// AVX512-BF16, head size a multiple of 64: bf16 pairs multiplied into fp32 sums
+// (vdpbf16ps), 16 slots' scores at a time, 4 query rows x 64 outputs kept in registers.
+static void attend_vector(const Item& it, float* scores, int64_t stride) {
+  const int64_t S = it.S, D = it.D;
+
+  const __m512 neg = _mm512_set1_ps(-INFINITY);
+  float norm[16];
+  for (int64_t r = 0; r < it.R; ++r) {
+    float* sr = scores + r * stride;
+    const bool* mr = it.visible[r];
+    __m512 peak = neg;
+    for (int64_t s0 = 0; s0 < S; s0 += 16) {
+      const int64_t n = std::min<int64_t>(16, S - s0);
+      const uint16_t* k0 = it.keys + s0 * it.ks;
+      if (r == 0)  // the next block's keys and this block's values, ahead of their use
+        for (int64_t j = 0; j < std::min<int64_t>(16, S - s0); ++j)
+          for (int64_t d = 0; d < D; d += 32) {
+            _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + j) * it.ks + d), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
+                         _MM_HINT_T0);
+          }
+      __m512 dots[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) dots[j] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D / 32; ++c) {
+        const __m512bh qc = (__m512bh)_mm512_loadu_si512(it.q[r] + 32 * c);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j)
+          if (j < n)
+            dots[j] = _mm512_dpbf16_ps(
+                dots[j], (__m512bh)_mm512_loadu_si512(k0 + j * it.ks + 32 * c), qc);
+      }
+      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+      const __m128i seen = _mm_maskz_loadu_epi8(lanes, mr + s0);
+      const __mmask16 vis = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(seen),
+                                                   _mm512_set1_epi32(0xff));
+      const __m512 x = _mm512_mask_mul_ps(neg, vis, sum16(dots), _mm512_set1_ps(it.scale));
+      _mm512_storeu_ps(sr + s0, x);
+      peak = _mm512_max_ps(peak, x);
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t s0 = 0; s0 < S; s0 += 16) {
+      const __m512 x = _mm512_loadu_ps(sr + s0);
+      const __mmask16 vis = _mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(x, top)));
+      _mm512_storeu_ps(sr + s0, e);  // lanes past S: zero (vis excludes them)
+      total = _mm512_add_ps(total, e);
+    }
+    norm[r] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  for (int64_t r0 = 0; r0 < it.R; r0 += 4)
+    for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
+      __m512 sums[4][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_ps();
+      const float* p0 = scores + r0 * stride;  // rows past R are zeros
+      for (int64_t s = 0; s < S; ++s) {
+        const uint16_t* vr = it.values + s * it.vs + 16 * c0;
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) v[c] = widen16(vr + 16 * c);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m512 p = _mm512_set1_ps(p0[r * stride + s]);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_fmadd_ps(p, v[c], sums[r][c]);
+        }
+      }
+      for (int64_t r = 0; r < std::min<int64_t>(4, it.R - r0); ++r) {
+        const __m512 scale = _mm512_set1_ps(norm[r0 + r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(it.out[r0 + r] + 16 * (c0 + c)),
+              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[r][c], scale)));
+      }
+    }
+}
+#endif
+
+// q [B, T, H, D] bf16 (any strides, D contiguous); keys, values [B, KV, S, D] bf16 (D
+// contiguous); visible [B, T, S] bool. Query head h reads KV head h / (H / KV), as
+// transformers' repeat_kv maps them. Returns [B, T, H * D] bf16: what the output
+// projection takes. Scores, softmax and the weighted sum are fp32. Many new tokens (a
+// prefill, a large tree) go in blocks of 16 / G, each block up to its last visible slot.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                               torch::Tensor visible, double scale) {
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t KV = keys.size(1), Sall = keys.size(2), G = H / KV;
+  TORCH_CHECK(G <= 16, "at most 16 query heads per KV head, got ", G);
+  const int64_t block = 16 / G, blocks = (T + block - 1) / block;
+  auto out = torch::empty({B, T, H * D}, q.options());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
+  const auto* vp = reinterpret_cast<const uint16_t*>(values.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const bool* mp = visible.data_ptr<bool>();
+#if defined(__AVX512BF16__)
+  const bool vector = D % 64 == 0;
+#else
+  const bool vector = false;
+#endif
+  const int64_t items = B * KV * blocks;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    const int64_t stride = Sall + 16;
+    std::vector<float> scores(16 * stride, 0.f), acc(16 * D);
+    for (int64_t n = begin; n < end; ++n) {
+      // first, last, second, second to last...: the decoder sorts rows longest first, and
+      // each thread's contiguous share of items should hold long and short rows alike
+      const int64_t i = n % 2 == 0 ? n / 2 : items - 1 - n / 2;
+      const int64_t b = i / (KV * blocks), h = i / blocks % KV, t0 = i % blocks * block;
+      const int64_t tokens = std::min(block, T - t0);
+      Item it;
+      it.keys = kp + b * keys.stride(0) + h * keys.stride(1);
+      it.values = vp + b * values.stride(0) + h * values.stride(1);
+      it.R = G * tokens, it.D = D, it.scale = static_cast<float>(scale);
+      it.ks = keys.stride(2), it.vs = values.stride(2);
+      it.S = 0;  // up to the block's last visible slot (rows differ in length)
+      for (int64_t r = 0; r < it.R; ++r) {  // row r: query head h * G + r / tokens
+        const int64_t t = t0 + r % tokens, head = h * G + r / tokens;
+        it.q[r] = qp + b * q.stride(0) + t * q.stride(1) + head * q.stride(2);
+        it.out[r] = op + (b * T + t) * H * D + head * D;
+        it.visible[r] = mp + (b * T + t) * Sall;
+        for (int64_t s = Sall - 1; s >= it.S; --s)
+          if (it.visible[r][s]) { it.S = s + 1; break; }
+      }
+#if defined(__AVX512BF16__)
+      if (vector) {
+        for (int64_t r = it.R; r < (it.R + 3) / 4 * 4; ++r)  // rows past R weigh nothing
+          std::fill(scores.begin() + r * stride, scores.begin() + r * stride + it.S, 0.f);
+        attend_vector(it, scores.data(), stride);
+        continue;
+      }
+#endif
+      attend_plain(it, scores.data(), acc.data());
+    }
+  });
+  return out;
+}
+
+// x (+ delta) [N, H] and RMSNorm of the sum, as torch computes it in bf16: the sum rounded
+// to bf16; rstd = 1 / sqrt(sum(s^2) / H + eps) and y = bf16(s * rstd * weight) in fp32.
+// Returns (sum, y); the sum is x itself when delta is undefined.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
+                                        torch::Tensor weight, double eps) {
+  x = x.contiguous();
+  const int64_t H = x.size(-1), N = x.numel() / H;
+  torch::Tensor sum = x;
+  if (delta.has_value()) {
+    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must be shaped as x");
+    sum = torch::empty_like(x);
+  }
+  auto y = torch::empty_like(x);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* dp = nullptr;
+  torch::Tensor dc;
+  if (delta.has_value()) {
+    dc = delta->contiguous();
+    dp = reinterpret_cast<const uint16_t*>(dc.data_ptr());
+  }
+  auto* sp = reinterpret_cast<uint16_t*>(sum.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  auto wc = weight.contiguous();
+  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t i = begin; i < end; ++i) {
+      const uint16_t* xr = xp + i * H;
+      uint16_t* sr = sp + i * H;
+      float squares = 0.f;
+      for (int64_t d = 0; d < H; ++d) {
+        float v = widen1(xr[d]);
+        if (dp != nullptr) {
+          const uint16_t rounded = narrow1(v + widen1(dp[i * H + d]));
+          sr[d] = rounded;
+          v = widen1(rounded);
+        }
+        row[d] = v;
+        squares += v * v;
+      }
+      const float rstd = 1.f / std::sqrt(squares / static_cast<float>(H) + e);
+      uint16_t* yr = yp + i * H;
+      for (int64_t d = 0; d < H; ++d) yr[d] = narrow1(row[d] * rstd * widen1(wp[d]));
+    }
+  });
+  return {sum, y};
+}
+
+// RoPE of one head's D values as transformers applies it in bf16, each product and the
+// sum rounded to bf16: y = x * cos + rotate_half(x) * sin.
+static void rope_head(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t* y,
+                      int64_t D) {
+  const int64_t half = D / 2;
+#if defined(__AVX512BF16__)
+  if (half % 16 == 0) {
+    auto round = [](__m512 v) {
+      return _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+    };
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 other = d < half ? _mm512_xor_ps(widen16(x + d + half), _mm512_set1_ps(-0.f))
+                                    : widen16(x + d - half);
+      const __m512 sum = _mm512_add_ps(round(_mm512_mul_ps(widen16(x + d), widen16(c + d))),
+                                       round(_mm512_mul_ps(other, widen16(s + d))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d), (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < D; ++d) {
+    const float other = d < half ? -widen1(x[d + half]) : widen1(x[d - half]);
+    const float a = widen1(narrow1(widen1(x[d]) * widen1(c[d])));
+    const float b = widen1(narrow1(other * widen1(s[d])));
+    y[d] = narrow1(a + b);
+  }
+}
+
+// One attention block's middle for a few new tokens per row, in one call: RoPE on the
+// queries and keys of mixed [B, T, (H + 2 KV) * D] (the q|k|v product), the new keys and
+// values written to slots [B, T] of the cache [B, KV, capacity, D], then decode_attention
+// over its first `span` slots. cos, sin [B, T, D].
+torch::Tensor rope_attend(torch::Tensor mixed, torch::Tensor cos, torch::Tensor sin,
+                          torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
+                          torch::Tensor visible, int64_t heads, double scale) {
+  const int64_t B = mixed.size(0), T = mixed.size(1), KV = keys.size(1), D = keys.size(3);
+  const int64_t width = (heads + 2 * KV) * D;
+  TORCH_CHECK(mixed.is_contiguous() && mixed.size(2) == width, "mixed: [B, T, (H + 2 KV) D]");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  slots = slots.contiguous();
+  auto q = torch::empty({B, T, heads, D}, mixed.options());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mixed.data_ptr());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  auto* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
+  auto* kp = reinterpret_cast<uint16_t*>(keys.data_ptr());
+  auto* vp = reinterpret_cast<uint16_t*>(values.data_ptr());
+  const int64_t kb = keys.stride(0), kh = keys.stride(1), ks = keys.stride(2);
+  const int64_t vb = values.stride(0), vh = values.stride(1), vs = values.stride(2);
+  at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / T, at = slot[i];
+      const uint16_t* row = mp + i * width;
+      const uint16_t *c = cp + i * D, *s = sp + i * D;
+      for (int64_t h = 0; h < heads; ++h) rope_head(row + h * D, c, s, qp + (i * heads + h) * D, D);
+      for (int64_t h = 0; h < KV; ++h) {
+        rope_head(row + (heads + h) * D, c, s, kp + b * kb + h * kh + at * ks, D);
+        std::memcpy(vp + b * vb + h * vh + at * vs, row + (heads + KV + h) * D, D * 2);
+      }
+    }
+  });
+  const int64_t span = visible.size(2);
+  return decode_attention(q, keys.narrow(2, 0, span), values.narrow(2, 0, span), visible, scale);
+}
