@@ -13,7 +13,7 @@
 
 // One (row, KV head, block of new tokens) of a batch: up to 16 query rows (each query
 // head of the group at each token of the block) over the row's first S slots. scores has
-// room for rows4 x stride floats.
+// room for 16 x stride floats.
 struct Item {
   const uint16_t* q[16];     // each query row's D values
   const bool* visible[16];   // each query row's visible slots (its token's)
@@ -124,8 +124,8 @@ static void attend_vector(const Item& it, float* scores, int64_t stride) {
     for (int64_t s0 = 0; s0 < S; s0 += 16) {
       const int64_t n = std::min<int64_t>(16, S - s0);
       const uint16_t* k0 = it.keys + s0 * it.ks;
-      if (r == 0)  // the next block's keys and this block's values, ahead of their use
-        for (int64_t j = 0; j < std::min<int64_t>(16, S - s0); ++j)
+      if (r == 0)  // the keys two blocks on and this block's values, ahead of their use
+        for (int64_t j = 0; j < n; ++j)
           for (int64_t d = 0; d < D; d += 32) {
             _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + j) * it.ks + d), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),

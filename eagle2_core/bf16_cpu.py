@@ -82,7 +82,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, its RMSNorm) in one pass over the rows (x alone where delta is None),
     rounded as torch rounds `x + delta` and F.rms_norm in bf16."""
-    total, normed = kernel().add_rms_norm(x, delta, weight, eps)
+    total, normed = kernel().add_rms_norm(x, delta, weight, eps)  # the binding gives a list
     return total, normed
 
 
