@@ -51,7 +51,7 @@ MAX_CURVE = 128  # the largest tree a curve covers (plan.MAX_NODES)
 MAX_TOKENS = 256  # largest B x n measured; beyond it cost grows linearly in tokens
 MAX_PASSES = 6  # passes over the grid at most, until each point's best is confirmed
 CONFIRM = 0.05  # a second run within this share of the best confirms it
-LARGE_TOKENS = 64  # B x n above which one pass suffices
+LARGE_TOKENS = 64  # B x n above which two passes suffice (their best is taken)
 # --batch-size auto: batch sizes measured up to this many rows (a GPU's; a CPU's gain ends
 # far sooner, BENCHMARKS.md), and how close to the best measured rate a smaller batch may
 # come and still be chosen.
@@ -107,6 +107,25 @@ def throughput_batch(costs: CostModel, max_rows: int, largest: int) -> int:
     rates = {b: b / costs.verify(b, 1) for b in sizes}
     best = max(rates.values())
     return min(b for b, rate in rates.items() if rate >= (1 - THROUGHPUT_SLACK) * best)
+
+
+def shard_batch(costs: CostModel, samples: int, max_rows: int, largest: int) -> int:
+    """The rows at once that finish `samples` sequences of about equal length soonest.
+
+    A batch of B decodes them in ceil(samples / B) waves of one step cost each, and the
+    last wave runs short of rows: 80 samples at B=32 are 3 waves, two full and one at 16,
+    where one wave of 80 costs less than two of 32 on a CPU (BENCHMARKS.md). So each
+    number of waves k is priced at its even split B = ceil(samples / k), beside the
+    measured sizes; the fewest waves win a tie. Many samples make waves(B) ~ samples / B,
+    and this comes to throughput_batch's choice."""
+    cap = max(1, min(max_rows, largest, samples))
+    sizes = {math.ceil(samples / k) for k in range(1, samples + 1)} | set(costs.batch_grid)
+    fits = sorted((b for b in sizes if b <= cap), reverse=True)
+
+    def finish(b: int) -> float:
+        return math.ceil(samples / b) * costs.verify(b, 1)
+
+    return min(fits, key=finish)
 
 
 def _interp(xs: list[int], ys: list[float | None], x: float) -> float:
@@ -224,14 +243,16 @@ def _time_grid(
     is passed over repeatedly, each pass a point's run after other points' (a burst then
     spoils different points each pass), and a point is settled when a second run lands
     within CONFIRM of its best: up to MAX_PASSES passes. Small shapes get an untimed first
-    run (oneDNN builds a kernel per shape); large ones, long and steady, are timed once.
+    run (oneDNN builds a kernel per shape); large ones, long and steady, are timed twice:
+    once was not enough on a shared VM, where one burst made B=64 cost 330 ms against
+    255 ms in another table and took --batch-size auto from 80 rows to 40.
     """
     times: dict[tuple, list[float]] = {point: [] for point in points}
 
     def settled(point: tuple) -> bool:
         seen = times[point]
         if point[0] * point[1] > LARGE_TOKENS:
-            return bool(seen)
+            return len(seen) >= 2
         return sum(t <= min(seen, default=math.inf) * (1 + CONFIRM) for t in seen) >= 2
 
     for step in range(MAX_PASSES):

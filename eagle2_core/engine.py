@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 
 from eagle2_core.config import DEFAULT_BATCH_SIZE, DecodeConfig
-from eagle2_core.cost import MAX_AUTO_BATCH, CostModel, load_or_measure, throughput_batch
+from eagle2_core.cost import (
+    MAX_AUTO_BATCH,
+    CostModel,
+    load_or_measure,
+    shard_batch,
+    throughput_batch,
+)
 from eagle2_core.decoder import BatchDecoder
 from eagle2_core.draft import DraftHead, load_draft, new_draft_head, read_config
 from eagle2_core.drafters import Drafter, StaticDrafter
@@ -94,6 +100,15 @@ class Engine:
         largest = MAX_AUTO_BATCH.get(self.target.device.type, MAX_AUTO_BATCH["cpu"])
         costs = self.costs(largest, on_measure)
         return throughput_batch(costs, self.auto_batch_limit(), largest)
+
+    def auto_rows_for(
+        self, samples: int, on_measure: Callable[[Path], object] | None = None
+    ) -> int:
+        """--batch-size auto for a shard of `samples`: the rows at once that finish it
+        soonest by this device's cost table (cost.shard_batch), within auto_batch_limit."""
+        largest = MAX_AUTO_BATCH.get(self.target.device.type, MAX_AUTO_BATCH["cpu"])
+        costs = self.costs(largest, on_measure)
+        return shard_batch(costs, samples, self.auto_batch_limit(), largest)
 
     def auto_batch_limit(self) -> int:
         """The most rows an auto batch may take: the largest size measured, and what half

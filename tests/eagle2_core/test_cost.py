@@ -101,6 +101,19 @@ def test_auto_batch_takes_the_fastest_size_or_a_smaller_one_as_fast():
     assert cost.throughput_batch(table({1: 10.0, 64: 100.0, 256: 200.0}), 1000, 256) == 256
 
 
+def test_a_shard_takes_the_rows_that_finish_it_soonest():
+    # a CPU's step: flat per row past 32 rows (B=32: 140 ms, 64: 255, 128: 570)
+    costs = table({1: 38.0, 16: 104.0, 32: 140.0, 64: 255.0, 128: 570.0})
+    # 80 samples: one wave of 80 (~334 ms) beats two of 40 (2 x 170) and three of 32
+    assert cost.shard_batch(costs, samples=80, max_rows=1000, largest=128) == 80
+    assert cost.shard_batch(costs, samples=20, max_rows=1000, largest=128) == 20
+    # memory holds 50 rows: two even waves of 40, not a wave of 50 and one of 30
+    assert cost.shard_batch(costs, samples=80, max_rows=50, largest=128) == 40
+    # many samples: about the best steady rate's size (64 here), split evenly
+    assert cost.throughput_batch(costs, max_rows=1000, largest=128) == 64
+    assert 60 <= cost.shard_batch(costs, samples=10_000, max_rows=1000, largest=128) <= 64
+
+
 def test_an_engine_sizes_its_auto_batch_by_the_table_and_free_memory(tmp_path, monkeypatch):
     from eagle2_core import engine as engine_module
     from eagle2_core.engine import Engine

@@ -238,9 +238,11 @@ def test_an_auto_batch_size_is_read_from_the_cost_table(decoder, monkeypatch):
     auto = SampleDecoder(decoder.engine, model="tiny-llama", draft="tiny-eagle")
     monkeypatch.setattr(decoder.engine, "auto_batch_size", lambda on_measure=None: 48)
     assert auto.batch_size == 48 and auto.batch_size == 48
-    monkeypatch.setattr(decoder.engine, "auto_batch_limit", lambda: 128)
-    # a shard under twice the batch goes in as one wave; larger or smaller ones do not
-    assert [auto.rows_for(n) for n in (30, 80, 96, 97)] == [48, 80, 96, 48]
+    asked = []
+    monkeypatch.setattr(
+        decoder.engine, "auto_rows_for", lambda n, on_measure=None: asked.append(n) or n // 2
+    )
+    assert [auto.rows_for(n) for n in (30, 80)] == [15, 40] and asked == [30, 80]
     fixed = SampleDecoder(decoder.engine, model="m", draft=None, mode="vanilla", batch_size=48)
     assert fixed.rows_for(80) == 48  # a number given is a number kept
     with pytest.raises(ValueError, match="'auto' or >= 1"):
