@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from eagle2_core import bf16_cpu, llama
+from eagle2_core import cpu_kernels, llama
 from eagle2_core.config import DecodeConfig
 from eagle2_core.decoder import BatchDecoder
 from eagle2_core.engine import load_engine
@@ -38,7 +38,7 @@ def first_turns(path: Path, n: int) -> list[str]:
 
 def split_ops(prof) -> Counter:
     """Self CPU time (ms) of linears, attention and the rest. Attention is everything under
-    `llama.attend` or, in bf16 on a CPU, `bf16_cpu.rope_attend` (timed as a range;
+    `llama.attend` or, in bf16 on a CPU, `cpu_kernels.rope_attend` (timed as a range;
     that one also applies RoPE and writes the cache)."""
     parts: Counter = Counter()
     for event in prof.events():
@@ -88,7 +88,7 @@ def main(
     dataset: Path, batch_sizes: str, dtype: str, mode: str, rounds: int, warmup: int, model: str
 ) -> None:
     llama.attend = timed_attention(llama.attend)
-    bf16_cpu.rope_attend = timed_attention(bf16_cpu.rope_attend)
+    cpu_kernels.rope_attend = timed_attention(cpu_kernels.rope_attend)
     torch_dtype = resolve_dtype(dtype, "cpu")
     engine = load_engine(model, None, needs_draft=mode != "vanilla", dtype=torch_dtype)
     tokenizer = engine.target.tokenizer

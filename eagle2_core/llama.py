@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from eagle2_core import bf16_cpu
+from eagle2_core import cpu_kernels
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import RowStarts
 
@@ -116,8 +116,8 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream x plus a block's output, and the next block's input: its
     RMSNorm (in bf16 on a CPU one pass over the rows instead of seven small ops)."""
-    if bf16_cpu.fuses(x):
-        return bf16_cpu.add_rms_norm(x, delta, weight, eps)
+    if cpu_kernels.fuses(x):
+        return cpu_kernels.add_rms_norm(x, delta, weight, eps)
     if delta is not None:
         x = x + delta
     return x, rms_norm(x, weight, eps)
@@ -185,6 +185,8 @@ def attend(
         keys.transpose(1, 2)[writes.rows, writes.slots] = k
         values.transpose(1, 2)[writes.rows, writes.slots] = v
     span = writes.span
+    if mask is not None and cpu_kernels.attends_fp32(q):  # reads each row up to its own end
+        return cpu_kernels.decode_attention(q, keys[:, :, :span], values[:, :, :span], mask)
     q = q.transpose(1, 2)
     if mask is None:
         out = F.scaled_dot_product_attention(
@@ -236,10 +238,10 @@ def self_attention(
         writes = Writes(writes, None, writes + t)
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.dim
     mixed = qkv(x)
-    if bf16_cpu.fuses(x):  # bf16 on a CPU: one pass
+    if cpu_kernels.fuses(x):  # bf16 on a CPU: one pass
         slots = writes.slots_of(b, t)
         mask = mask if mask is not None else writes.causal(slots)
-        return o(bf16_cpu.rope_attend(mixed, angles, keys, values, slots, mask, heads))
+        return o(cpu_kernels.rope_attend(mixed, angles, keys, values, slots, mask, heads))
     qk = rotate(mixed[..., : (heads + kv_heads) * dim].view(b, t, heads + kv_heads, dim), *angles)
     v = mixed[..., (heads + kv_heads) * dim :].view(b, t, kv_heads, dim)
     return o(attend(qk[:, :, :heads], qk[:, :, heads:], v, keys, values, writes, mask))
@@ -272,7 +274,7 @@ def forward(
     angles = rope(model.rotary, x, positions)
     writes = Writes.of(start, ids.shape[0], ids.shape[1], ids.device)
     captured = {}
-    if mask is None and bf16_cpu.fuses(x):  # its kernel takes the causal mask, once
+    if mask is None and cpu_kernels.fuses(x):  # its kernel takes the causal mask, once
         mask = writes.causal(writes.slots_of(*ids.shape))
     norms = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
     x, h = add_rms_norm(x, None, model.layers[0].input_norm, model.eps)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from eagle2_core import bf16_cpu
+from eagle2_core import cpu_kernels
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import RaggedKV
 from eagle2_core.llama import LeanLlama, forward
@@ -103,8 +103,8 @@ def load_target(
         hint = "" if allow_download else " (downloads are off: pass --allow-download to fetch it)"
         raise ModelLoadError(f"cannot load model {name!r}: {exc}{hint}") from exc
     model.to(device).eval()
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        bf16_cpu.kernel()  # compiled (once per machine) before anything is timed
+    if torch.device(device).type == "cpu":
+        cpu_kernels.kernel()  # compiled (once per machine) before anything is timed
     return target_from_model(model, tokenizer, name)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from eagle2_core import bf16_cpu
+from eagle2_core import cpu_kernels
 from eagle2_core.llama import LeanLlama, UnsupportedModelError, forward, rotate
 from eagle2_core.models import target_from_model
 from tests.eagle2_core.tiny import tiny_target, tiny_tokenizer
@@ -69,17 +69,18 @@ def test_unsupported_architectures_are_refused_by_name():
         LeanLlama.of(model)
 
 
-@pytest.mark.parametrize("dim", [16, 64])  # 64: the vector path (head sizes of 32k)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [16, 24, 64])  # vector paths: fp32 16 | D, bf16 64 | D
 @pytest.mark.parametrize("tokens", [1, 3, 7])  # 7: two blocks of new tokens (16 // 3 = 5)
-def test_the_bf16_cpu_kernel_is_attention_over_the_masked_slots(tokens, dim):
+def test_the_cpu_attention_kernel_is_attention_over_the_masked_slots(tokens, dim, dtype):
     """Against float64 SDPA: GQA heads mapped as transformers maps them (query head h reads
     KV head h // group), masked slots invisible, slot counts not a multiple of its blocks,
     a cache slice with its capacity's strides, q a strided view as the q|k|v product
     leaves it; only slot 0 visible gives its value."""
-    assert bf16_cpu.kernel() is not None  # CI's machine has a compiler
+    assert cpu_kernels.kernel() is not None  # CI's machine has a compiler
     torch.manual_seed(0)
-    q = torch.randn(3, tokens, 8, dim).bfloat16()[:, :, :6]  # [B, T, heads, D], strided
-    keys, values = torch.randn(3, 2, 2, 40, dim).bfloat16()[:, :, :, :35].unbind(1)
+    q = torch.randn(3, tokens, 8, dim).to(dtype)[:, :, :6]  # [B, T, heads, D], strided
+    keys, values = torch.randn(3, 2, 2, 40, dim).to(dtype)[:, :, :, :35].unbind(1)
     mask = torch.rand(3, 1, tokens, 35) > 0.4
     mask[..., 0] = True
     mask[1, ..., 19:] = False  # a shorter row
@@ -87,12 +88,13 @@ def test_the_bf16_cpu_kernel_is_attention_over_the_masked_slots(tokens, dim):
         q.transpose(1, 2).double(), keys.double(), values.double(), attn_mask=mask,
         enable_gqa=True,
     ).transpose(1, 2).reshape(3, tokens, 6 * dim)  # fmt: skip
-    assert bf16_cpu.fuses(q)
-    got = bf16_cpu.decode_attention(q, keys, values, mask)
-    assert got.dtype == torch.bfloat16 and got.shape == (3, tokens, 6 * dim)
-    assert torch.allclose(got.double(), expected, atol=1e-2)
+    assert cpu_kernels.fuses(q) == (dtype == torch.bfloat16)
+    assert cpu_kernels.attends_fp32(q) == (dtype == torch.float32 and tokens <= 4)
+    got = cpu_kernels.decode_attention(q, keys, values, mask)
+    assert got.dtype == dtype and got.shape == (3, tokens, 6 * dim)
+    assert torch.allclose(got.double(), expected, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
     mask[..., 1:] = False
-    got = bf16_cpu.decode_attention(q, keys, values, mask).view(3, tokens, 6, dim)
+    got = cpu_kernels.decode_attention(q, keys, values, mask).view(3, tokens, 6, dim)
     first = values[:, :, 0].repeat_interleave(3, dim=1)[:, None].expand(3, tokens, 6, dim)
     assert torch.equal(got, first)
 
@@ -120,10 +122,10 @@ def test_the_fused_bf16_block_equals_rope_then_the_cache_write_then_the_kernel(d
     rows = torch.arange(b)[:, None]
     want_keys.transpose(1, 2)[rows, slots] = qk[:, :, heads:]
     want_values.transpose(1, 2)[rows, slots] = v
-    want = bf16_cpu.decode_attention(
+    want = cpu_kernels.decode_attention(
         qk[:, :, :heads], want_keys[:, :, :span], want_values[:, :, :span], mask
     )
-    got = bf16_cpu.rope_attend(mixed, angles, keys, values, slots, mask, heads)
+    got = cpu_kernels.rope_attend(mixed, angles, keys, values, slots, mask, heads)
     assert torch.equal(got, want)
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
 
@@ -135,7 +137,7 @@ def test_the_fused_bf16_norm_is_the_sum_and_torchs_rms_norm(with_delta):
     torch.manual_seed(0)
     x, delta = (torch.randn(2, 37, 576) * 3).bfloat16()
     weight = torch.rand(576).bfloat16() + 0.5
-    total, normed = bf16_cpu.add_rms_norm(x, delta if with_delta else None, weight, 1e-5)
+    total, normed = cpu_kernels.add_rms_norm(x, delta if with_delta else None, weight, 1e-5)
     want_total = x + delta if with_delta else x
     assert torch.equal(total, want_total)
     want = torch.nn.functional.rms_norm(want_total, (576,), weight, 1e-5)

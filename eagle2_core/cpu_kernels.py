@@ -1,20 +1,28 @@
-"""bf16 on a CPU: attention, RoPE with the cache write, and the residual add with its
-RMSNorm, in C++ (bf16_cpu.cpp).
+"""Attention for decoding on a CPU (bf16 and fp32), and in bf16 RoPE with the cache
+write and the residual add with its RMSNorm, in C++ (cpu_kernels.cpp).
 
 A decoding step attends a few new tokens per row (one, or a draft tree's nodes) over that
-row's cache. torch's CPU kernels do this badly in bf16: its flash kernel took 14.5 ms a
+row's cache. torch's CPU kernels do this badly: in bf16 its flash kernel took 14.5 ms a
 layer at 64 rows x 330 slots on the AVX512-BF16 EPYC, where reading those keys and values
-takes about 1 ms. This kernel reads each key and value once, multiplies bf16 pairs into
-fp32 sums (vdpbf16ps where the CPU has it) and serves every query head that shares a key
-(GQA) from there: scores, softmax and the weighted sum stay in fp32. Many new tokens (a
-prefill) go in blocks, so it serves those too (1.4-2.3x torch's bf16 SDPA, 4 to 400
-tokens). Around it, torch spends a dozen small ops a layer on RoPE, the cache write, the
-residual add and RMSNorm, each a pass over the rows: `rope_attend` and `add_rms_norm` do
-them in one, rounding each step as those ops do (BENCHMARKS.md, "bf16 kernels").
+takes about 1 ms; in fp32 it turns the mask into a dense float bias and took twice this
+kernel's time at 80 rows x 1 token on the AVX2 EPYC. This kernel reads each key and value
+once, serves every query head that shares a key (GQA) from there, reads each row only up
+to its own last visible slot, and keeps scores, softmax and the weighted sum in fp32
+(bf16 pairs multiplied by vdpbf16ps where the CPU has it; fp32 with AVX2 FMA). In bf16
+many new tokens (a prefill) go in blocks, so it serves those too (1.4-2.3x torch's bf16
+SDPA, 4 to 400 tokens); in fp32 it takes up to FP32_TOKENS per row, past which SDPA's
+matrix products win. Around it, in bf16, torch spends a dozen small ops a layer on RoPE,
+the cache write, the residual add and RMSNorm, each a pass over the rows: `rope_attend`
+and `add_rms_norm` do them in one, rounding each step as those ops do (BENCHMARKS.md,
+"bf16 kernels").
+
+fp32 sums in another order than torch's SDPA, so its last bits differ; greedy output
+stays token-identical to transformers' `generate` as before (the identity tests, and
+the 80 MT-bench prompts against vLLM in BENCHMARKS.md), just as a batched product already
+rounds differently from a one-row one.
 
 It is compiled on first use (torch's cpp_extension, cached per source and CPU); where no
-compiler is at hand `kernel()` is None and llama.py keeps torch's ops. fp32 never comes
-here: its arithmetic is the one transformers' `generate` does.
+compiler is at hand `kernel()` is None and llama.py keeps torch's ops.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = (Path(__file__).parent / "bf16_cpu.cpp").read_text()
+SOURCE = (Path(__file__).parent / "cpu_kernels.cpp").read_text()
 
 
 def _cpu_tag() -> str:
@@ -48,10 +56,10 @@ def kernel():
     try:
         from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-        name = f"eagle2_bf16_cpu_{_cpu_tag()}"
+        name = f"eagle2_cpu_kernels_{_cpu_tag()}"
         if not any(Path(_get_build_directory(name, False)).glob("*.so")):
             print(
-                "compiling the bf16 CPU kernels (once per machine, about a minute)",
+                "compiling the CPU kernels (once per machine, about a minute)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -68,13 +76,30 @@ def kernel():
             ],
         )
     except Exception as error:  # no compiler, ninja or headers: torch's kernel instead
-        print(f"bf16 CPU kernels unavailable, using torch's: {error}", file=sys.stderr)
+        print(f"CPU kernels unavailable, using torch's: {error}", file=sys.stderr)
         return None
 
 
 def fuses(x: torch.Tensor) -> bool:
     """Whether these kernels take x's arithmetic: bf16 on a CPU, where they compiled."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and kernel() is not None
+
+
+FP32_TOKENS = 4  # new tokens per row up to which the fp32 kernel beats torch's SDPA
+
+
+def attends_fp32(q: torch.Tensor) -> bool:
+    """Whether decode_attention takes q [B, T, heads, D]'s attention in fp32: on a CPU,
+    for a few new tokens per row (a plain decoding step, a small tree), where it compiled.
+    torch's SDPA takes a mask as a dense float bias and loops over every row and head
+    for one query: 2x this kernel's time at 80 rows x 1 token (BENCHMARKS.md). For more
+    tokens SDPA's matrix products win."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.shape[1] <= FP32_TOKENS
+        and kernel() is not None
+    )
 
 
 def add_rms_norm(
@@ -111,9 +136,8 @@ def decode_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """q [B, T, heads, D] (as the q|k|v product lays it out) over keys, values
-    [B, kv_heads, S, D] (bf16) where mask [B, 1, T, S] is True; [B, T, heads * D], what
+    [B, kv_heads, S, D] (bf16 or fp32, as q) where mask [B, 1, T, S] is True;
+    [B, T, heads * D], what
     the output projection takes. Each row reads its slots up to its last visible one, so
     rows of different lengths need no chunking."""
-    return kernel().decode_attention(
-        q, keys, values, mask[:, 0].contiguous(), q.shape[-1] ** -0.5
-    )
+    return kernel().decode_attention(q, keys, values, mask[:, 0].contiguous(), q.shape[-1] ** -0.5)

@@ -1,25 +1,27 @@
-// bf16 on a CPU: decode attention (with RoPE and the cache write) and the residual add with
-// its RMSNorm. Compiled on first use by bf16_cpu.py (torch's cpp_extension, -march=native);
+// Decoding attention on a CPU in bf16 and fp32; in bf16 also RoPE with the cache write, and
+// the residual add with its RMSNorm. Compiled on first use by cpu_kernels.py (torch's cpp_extension, -march=native);
 // that module's docstring says why each exists.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 // One (row, KV head, block of new tokens) of a batch: up to 16 query rows (each query
 // head of the group at each token of the block) over the row's first S slots. scores has
-// room for 16 x stride floats.
+// room for 16 x stride floats. T: the cache's element, bf16 bits (uint16_t) or float.
+template <typename T>
 struct Item {
-  const uint16_t* q[16];     // each query row's D values
+  const T* q[16];            // each query row's D values
   const bool* visible[16];   // each query row's visible slots (its token's)
-  uint16_t* out[16];         // each query row's D outputs
-  const uint16_t* keys;
-  const uint16_t* values;
+  T* out[16];                // each query row's D outputs
+  const T* keys;
+  const T* values;
   int64_t R, S, D, ks, vs;
   float scale;
 };
@@ -39,15 +41,21 @@ static inline uint16_t narrow1(float x) {  // round to nearest even, as torch's 
   return static_cast<uint16_t>(bits >> 16);
 }
 
+static inline float widen1(float x) { return x; }
+static inline void store1(float x, uint16_t* y) { *y = narrow1(x); }
+static inline void store1(float x, float* y) { *y = x; }
+
 // Any CPU, any head size: plain loops.
-static void attend_plain(const Item& it, float* scores, float* acc) {
+template <typename T>
+static void attend_plain(const Item<T>& it, float* scores, int64_t stride) {
   const int64_t D = it.D, S = it.S;
+  std::vector<float> acc(D);
   for (int64_t r = 0; r < it.R; ++r) {
-    float* sr = scores + r * S;
+    float* sr = scores + r * stride;
     const bool* mr = it.visible[r];
     float peak = -INFINITY, sum = 0.f;
     for (int64_t s = 0; s < S; ++s) {
-      const uint16_t* kr = it.keys + s * it.ks;
+      const T* kr = it.keys + s * it.ks;
       float a = 0.f;
       for (int64_t d = 0; d < D; ++d) a += widen1(it.q[r][d]) * widen1(kr[d]);
       sr[s] = mr[s] ? a * it.scale : -INFINITY;
@@ -57,15 +65,109 @@ static void attend_plain(const Item& it, float* scores, float* acc) {
       sr[s] = mr[s] ? std::exp(sr[s] - peak) : 0.f;
       sum += sr[s];
     }
-    float* a = acc + r * D;
-    std::fill(a, a + D, 0.f);
+    std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t s = 0; s < S; ++s) {
-      const uint16_t* vr = it.values + s * it.vs;
-      for (int64_t d = 0; d < D; ++d) a[d] += sr[s] * widen1(vr[d]);
+      const T* vr = it.values + s * it.vs;
+      for (int64_t d = 0; d < D; ++d) acc[d] += sr[s] * widen1(vr[d]);
     }
-    for (int64_t d = 0; d < D; ++d) it.out[r][d] = narrow1(a[d] / sum);
+    for (int64_t d = 0; d < D; ++d) store1(acc[d] / sum, it.out[r] + d);
   }
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 vectors in, one out: lane j is the sum of v[j]'s 8 lanes.
+static inline __m256 sum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// exp(x) for x <= 0 (scores less their peak): Cephes' expf polynomial, as exp16 below.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// fp32, head size a multiple of 16 (AVX2 and FMA): 8 slots' scores at a time, 4 query
+// rows x 16 outputs kept in registers for the weighted sum.
+static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
+  const int64_t S = it.S, D = it.D;
+  const __m256 neg = _mm256_set1_ps(-INFINITY);
+  float norm[16];
+  for (int64_t r = 0; r < it.R; ++r) {
+    float* sr = scores + r * stride;
+    const bool* mr = it.visible[r];
+    const float* q = it.q[r];
+    __m256 peak = neg;
+    for (int64_t s0 = 0; s0 < S; s0 += 8) {
+      const int64_t n = std::min<int64_t>(8, S - s0);
+      __m256 dots[8];
+      for (int j = 0; j < 8; ++j) {
+        dots[j] = _mm256_setzero_ps();
+        if (j >= n) continue;
+        const float* k = it.keys + (s0 + j) * it.ks;
+        for (int64_t d = 0; d < D; d += 8)
+          dots[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), dots[j]);
+      }
+      alignas(32) float x[8];
+      _mm256_store_ps(x, _mm256_mul_ps(sum8(dots), _mm256_set1_ps(it.scale)));
+      for (int j = 0; j < 8; ++j) x[j] = j < n && mr[s0 + j] ? x[j] : -INFINITY;
+      const __m256 xv = _mm256_load_ps(x);
+      _mm256_storeu_ps(sr + s0, xv);
+      peak = _mm256_max_ps(peak, xv);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, peak);
+    const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t s0 = 0; s0 < S; s0 += 8) {
+      const __m256 x = _mm256_loadu_ps(sr + s0);
+      const __m256 seen = _mm256_cmp_ps(x, neg, _CMP_NEQ_OQ);
+      const __m256 e = _mm256_and_ps(seen, exp8(_mm256_sub_ps(x, top)));
+      _mm256_storeu_ps(sr + s0, e);  // lanes past S: zero (seen excludes them)
+      total = _mm256_add_ps(total, e);
+    }
+    _mm256_store_ps(lanes, total);
+    float sum = 0.f;
+    for (int j = 0; j < 8; ++j) sum += lanes[j];
+    norm[r] = 1.f / sum;
+  }
+  for (int64_t r0 = 0; r0 < it.R; r0 += 4)
+    for (int64_t c0 = 0; c0 < D; c0 += 16) {
+      __m256 sums[4][2];
+      for (int r = 0; r < 4; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+      const float* p0 = scores + r0 * stride;  // rows past R are zeros
+      for (int64_t s = 0; s < S; ++s) {
+        const float* vr = it.values + s * it.vs + c0;
+        const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m256 p = _mm256_broadcast_ss(p0 + r * stride + s);
+          sums[r][0] = _mm256_fmadd_ps(p, v0, sums[r][0]);
+          sums[r][1] = _mm256_fmadd_ps(p, v1, sums[r][1]);
+        }
+      }
+      for (int64_t r = 0; r < std::min<int64_t>(4, it.R - r0); ++r) {
+        const __m256 scale = _mm256_set1_ps(norm[r0 + r]);
+        _mm256_storeu_ps(it.out[r0 + r] + c0, _mm256_mul_ps(sums[r][0], scale));
+        _mm256_storeu_ps(it.out[r0 + r] + c0 + 8, _mm256_mul_ps(sums[r][1], scale));
+      }
+    }
+}
+#endif
 
 #if defined(__AVX512BF16__)
 // 16 vectors in, one out: lane j is the sum of v[j]'s 16 lanes (a transpose-add).
@@ -112,7 +214,7 @@ static inline __m512 exp16(__m512 x) {
 
 // AVX512-BF16, head size a multiple of 64: bf16 pairs multiplied into fp32 sums
 // (vdpbf16ps), 16 slots' scores at a time, 4 query rows x 64 outputs kept in registers.
-static void attend_vector(const Item& it, float* scores, int64_t stride) {
+static void attend_vector(const Item<uint16_t>& it, float* scores, int64_t stride) {
   const int64_t S = it.S, D = it.D;
 
   const __m512 neg = _mm512_set1_ps(-INFINITY);
@@ -193,39 +295,40 @@ static void attend_vector(const Item& it, float* scores, int64_t stride) {
 }
 #endif
 
-// q [B, T, H, D] bf16 (any strides, D contiguous); keys, values [B, KV, S, D] bf16 (D
-// contiguous); visible [B, T, S] bool. Query head h reads KV head h / (H / KV), as
-// transformers' repeat_kv maps them. Returns [B, T, H * D] bf16: what the output
-// projection takes. Scores, softmax and the weighted sum are fp32. Many new tokens (a
-// prefill, a large tree) go in blocks of 16 / G, each block up to its last visible slot.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                               torch::Tensor visible, double scale) {
-  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+// q [B, T, H, D] (any strides, D contiguous); keys, values [B, KV, S, D] (D contiguous);
+// all bf16 or all fp32; visible [B, T, S] bool. Query head h reads KV head h / (H / KV),
+// as transformers' repeat_kv maps them. Returns [B, T, H * D] in q's dtype: what the
+// output projection takes. Scores, softmax and the weighted sum are fp32. Many new tokens
+// (a prefill, a large tree) go in blocks of 16 / G, each block up to its last visible slot.
+template <typename T>
+static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                       torch::Tensor visible, double scale, torch::Tensor out) {
+  const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t KV = keys.size(1), Sall = keys.size(2), G = H / KV;
-  TORCH_CHECK(G <= 16, "at most 16 query heads per KV head, got ", G);
-  const int64_t block = 16 / G, blocks = (T + block - 1) / block;
-  auto out = torch::empty({B, T, H * D}, q.options());
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
-  const auto* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
-  const auto* vp = reinterpret_cast<const uint16_t*>(values.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t block = 16 / G, blocks = (T_ + block - 1) / block;
+  const auto* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const T*>(keys.data_ptr());
+  const auto* vp = reinterpret_cast<const T*>(values.data_ptr());
+  auto* op = reinterpret_cast<T*>(out.data_ptr());
   const bool* mp = visible.data_ptr<bool>();
+  bool vector = false;  // the vector kernel for T on this CPU, where there is one
 #if defined(__AVX512BF16__)
-  const bool vector = D % 64 == 0;
-#else
-  const bool vector = false;
+  vector = vector || (std::is_same<T, uint16_t>::value && D % 64 == 0);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  vector = vector || (std::is_same<T, float>::value && D % 16 == 0);
 #endif
   const int64_t items = B * KV * blocks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     const int64_t stride = Sall + 16;
-    std::vector<float> scores(16 * stride, 0.f), acc(16 * D);
+    std::vector<float> scores(16 * stride, 0.f);
     for (int64_t n = begin; n < end; ++n) {
       // first, last, second, second to last...: the decoder sorts rows longest first, and
       // each thread's contiguous share of items should hold long and short rows alike
       const int64_t i = n % 2 == 0 ? n / 2 : items - 1 - n / 2;
       const int64_t b = i / (KV * blocks), h = i / blocks % KV, t0 = i % blocks * block;
-      const int64_t tokens = std::min(block, T - t0);
-      Item it;
+      const int64_t tokens = std::min(block, T_ - t0);
+      Item<T> it;
       it.keys = kp + b * keys.stride(0) + h * keys.stride(1);
       it.values = vp + b * values.stride(0) + h * values.stride(1);
       it.R = G * tokens, it.D = D, it.scale = static_cast<float>(scale);
@@ -234,22 +337,40 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
       for (int64_t r = 0; r < it.R; ++r) {  // row r: query head h * G + r / tokens
         const int64_t t = t0 + r % tokens, head = h * G + r / tokens;
         it.q[r] = qp + b * q.stride(0) + t * q.stride(1) + head * q.stride(2);
-        it.out[r] = op + (b * T + t) * H * D + head * D;
-        it.visible[r] = mp + (b * T + t) * Sall;
+        it.out[r] = op + (b * T_ + t) * H * D + head * D;
+        it.visible[r] = mp + (b * T_ + t) * Sall;
         for (int64_t s = Sall - 1; s >= it.S; --s)
           if (it.visible[r][s]) { it.S = s + 1; break; }
       }
-#if defined(__AVX512BF16__)
       if (vector) {
         for (int64_t r = it.R; r < (it.R + 3) / 4 * 4; ++r)  // rows past R weigh nothing
           std::fill(scores.begin() + r * stride, scores.begin() + r * stride + it.S, 0.f);
-        attend_vector(it, scores.data(), stride);
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same<T, uint16_t>::value) attend_vector(it, scores.data(), stride);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        if constexpr (std::is_same<T, float>::value) attend_fp32(it, scores.data(), stride);
+#endif
         continue;
       }
-#endif
-      attend_plain(it, scores.data(), acc.data());
+      attend_plain(it, scores.data(), stride);
     }
   });
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                               torch::Tensor visible, double scale) {
+  const int64_t H = q.size(2), KV = keys.size(1);
+  TORCH_CHECK(H / KV <= 16, "at most 16 query heads per KV head, got ", H / KV);
+  TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+              "q, keys and values must share a dtype");
+  auto out = torch::empty({q.size(0), q.size(1), H * q.size(3)}, q.options());
+  if (q.scalar_type() == torch::kFloat)
+    attend_all<float>(q, keys, values, visible, scale, out);
+  else {
+    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "bf16 or fp32, got ", q.scalar_type());
+    attend_all<uint16_t>(q, keys, values, visible, scale, out);
+  }
   return out;
 }
 
