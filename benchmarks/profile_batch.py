@@ -38,8 +38,9 @@ def first_turns(path: Path, n: int) -> list[str]:
 
 def split_ops(prof) -> Counter:
     """Self CPU time (ms) of linears, attention and the rest. Attention is everything under
-    `llama.attend` or, in bf16 on a CPU, `cpu_kernels.rope_attend` (timed as a range;
-    that one also applies RoPE and writes the cache)."""
+    `llama.attend` or, on a CPU, `cpu_kernels.rope_attend` (timed as a range; that one
+    also applies RoPE and writes the cache); the CPU kernels' residual add and RMSNorm
+    (a range named "norm") count with the other ops."""
     parts: Counter = Counter()
     for event in prof.events():
         ms = event.self_cpu_time_total / 1000
@@ -47,7 +48,7 @@ def split_ops(prof) -> Counter:
             parts["attention"] += ms
         elif event.name in LINEAR_OPS:
             parts["linear"] += ms
-        elif event.name.startswith(("aten::", "mkldnn::")):
+        elif event.name == "norm" or event.name.startswith(("aten::", "mkldnn::")):
             parts["other ops"] += ms
     return parts
 
@@ -61,12 +62,12 @@ def _under_attention(event) -> bool:
     return False
 
 
-def timed_attention(attend):
-    """An attention function inside a profiler range named "attention"."""
+def timed(function, name: str):
+    """A function inside a profiler range of that name."""
 
     def wrapped(*args, **kwargs):
-        with record_function("attention"):
-            return attend(*args, **kwargs)
+        with record_function(name):
+            return function(*args, **kwargs)
 
     return wrapped
 
@@ -87,8 +88,9 @@ def timed_attention(attend):
 def main(
     dataset: Path, batch_sizes: str, dtype: str, mode: str, rounds: int, warmup: int, model: str
 ) -> None:
-    llama.attend = timed_attention(llama.attend)
-    cpu_kernels.rope_attend = timed_attention(cpu_kernels.rope_attend)
+    llama.attend = timed(llama.attend, "attention")
+    cpu_kernels.rope_attend = timed(cpu_kernels.rope_attend, "attention")
+    cpu_kernels.add_rms_norm = timed(cpu_kernels.add_rms_norm, "norm")
     torch_dtype = resolve_dtype(dtype, "cpu")
     engine = load_engine(model, None, needs_draft=mode != "vanilla", dtype=torch_dtype)
     tokenizer = engine.target.tokenizer

@@ -374,119 +374,156 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
   return out;
 }
 
-// x (+ delta) [N, H] and RMSNorm of the sum, as torch computes it in bf16: the sum rounded
-// to bf16; rstd = 1 / sqrt(sum(s^2) / H + eps) and y = bf16(s * rstd * weight) in fp32.
-// Returns (sum, y); the sum is x itself when delta is undefined.
+// What a value becomes when stored as T: bf16 rounds (to nearest even), fp32 keeps it.
+static inline float stored(float x, const uint16_t*) { return widen1(narrow1(x)); }
+static inline float stored(float x, const float*) { return x; }
+
+// x (+ delta) [N, H] and RMSNorm of the sum, as torch computes them in x's dtype: the sum
+// stored as T; rstd = 1 / sqrt(sum(s^2) / H + eps) and y = T(s * rstd * weight) in fp32.
+// Writes sum (unless delta is null: then the sum is x) and y.
+template <typename T>
+static void add_rms_norm_rows(const T* xp, const T* dp, const T* wp, T* sp, T* yp, int64_t N,
+                              int64_t H, float eps) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xr = xp + i * H;
+      float squares = 0.f;
+      if (dp != nullptr) {
+        const T* dr = dp + i * H;
+        T* sr = sp + i * H;
+        for (int64_t d = 0; d < H; ++d) {
+          const float v = stored(widen1(xr[d]) + widen1(dr[d]), xr);
+          store1(v, sr + d);
+          row[d] = v;
+          squares += v * v;
+        }
+      } else {
+        for (int64_t d = 0; d < H; ++d) {
+          row[d] = widen1(xr[d]);
+          squares += row[d] * row[d];
+        }
+      }
+      const float rstd = 1.f / std::sqrt(squares / static_cast<float>(H) + eps);
+      T* yr = yp + i * H;
+      for (int64_t d = 0; d < H; ++d) store1(row[d] * rstd * widen1(wp[d]), yr + d);
+    }
+  });
+}
+
+// Returns (sum, y); the sum is x itself when delta is undefined. bf16 or fp32.
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
                                         torch::Tensor weight, double eps) {
   x = x.contiguous();
   const int64_t H = x.size(-1), N = x.numel() / H;
-  torch::Tensor sum = x;
+  torch::Tensor sum = x, dc;
   if (delta.has_value()) {
     TORCH_CHECK(delta->sizes() == x.sizes(), "delta must be shaped as x");
     sum = torch::empty_like(x);
+    dc = delta->contiguous();
   }
   auto y = torch::empty_like(x);
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const uint16_t* dp = nullptr;
-  torch::Tensor dc;
-  if (delta.has_value()) {
-    dc = delta->contiguous();
-    dp = reinterpret_cast<const uint16_t*>(dc.data_ptr());
-  }
-  auto* sp = reinterpret_cast<uint16_t*>(sum.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   auto wc = weight.contiguous();
-  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(H);
-    for (int64_t i = begin; i < end; ++i) {
-      const uint16_t* xr = xp + i * H;
-      uint16_t* sr = sp + i * H;
-      float squares = 0.f;
-      for (int64_t d = 0; d < H; ++d) {
-        float v = widen1(xr[d]);
-        if (dp != nullptr) {
-          const uint16_t rounded = narrow1(v + widen1(dp[i * H + d]));
-          sr[d] = rounded;
-          v = widen1(rounded);
-        }
-        row[d] = v;
-        squares += v * v;
-      }
-      const float rstd = 1.f / std::sqrt(squares / static_cast<float>(H) + e);
-      uint16_t* yr = yp + i * H;
-      for (int64_t d = 0; d < H; ++d) yr[d] = narrow1(row[d] * rstd * widen1(wp[d]));
-    }
-  });
+  if (x.scalar_type() == torch::kFloat) {
+    add_rms_norm_rows<float>(x.data_ptr<float>(), dc.defined() ? dc.data_ptr<float>() : nullptr,
+                             wc.data_ptr<float>(), sum.data_ptr<float>(), y.data_ptr<float>(),
+                             N, H, e);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "bf16 or fp32, got ", x.scalar_type());
+    auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    add_rms_norm_rows<uint16_t>(bits(x), dc.defined() ? bits(dc) : nullptr, bits(wc), bits(sum),
+                                bits(y), N, H, e);
+  }
   return {sum, y};
 }
 
-// RoPE of one head's D values as transformers applies it in bf16, each product and the
-// sum rounded to bf16: y = x * cos + rotate_half(x) * sin.
-static void rope_head(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t* y,
-                      int64_t D) {
+// RoPE of one head's D values as transformers applies it in T, each product and the sum
+// stored as T: y = x * cos + rotate_half(x) * sin.
+template <typename T>
+static void rope_head(const T* x, const T* c, const T* s, T* y, int64_t D) {
   const int64_t half = D / 2;
 #if defined(__AVX512BF16__)
-  if (half % 16 == 0) {
-    auto round = [](__m512 v) {
-      return _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-    };
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 other = d < half ? _mm512_xor_ps(widen16(x + d + half), _mm512_set1_ps(-0.f))
-                                    : widen16(x + d - half);
-      const __m512 sum = _mm512_add_ps(round(_mm512_mul_ps(widen16(x + d), widen16(c + d))),
-                                       round(_mm512_mul_ps(other, widen16(s + d))));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d), (__m256i)_mm512_cvtneps_pbh(sum));
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    if (half % 16 == 0) {
+      auto round = [](__m512 v) {
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+      };
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 other = d < half
+                                 ? _mm512_xor_ps(widen16(x + d + half), _mm512_set1_ps(-0.f))
+                                 : widen16(x + d - half);
+        const __m512 sum = _mm512_add_ps(round(_mm512_mul_ps(widen16(x + d), widen16(c + d))),
+                                         round(_mm512_mul_ps(other, widen16(s + d))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d),
+                            (__m256i)_mm512_cvtneps_pbh(sum));
+      }
+      return;
     }
-    return;
   }
 #endif
-  for (int64_t d = 0; d < D; ++d) {
-    const float other = d < half ? -widen1(x[d + half]) : widen1(x[d - half]);
-    const float a = widen1(narrow1(widen1(x[d]) * widen1(c[d])));
-    const float b = widen1(narrow1(other * widen1(s[d])));
-    y[d] = narrow1(a + b);
+  for (int64_t d = 0; d < half; ++d) {  // two loops, each one the compiler vectorises
+    const float a = stored(widen1(x[d]) * widen1(c[d]), x);
+    const float b = stored(-widen1(x[d + half]) * widen1(s[d]), x);
+    store1(a + b, y + d);
   }
+  for (int64_t d = half; d < D; ++d) {
+    const float a = stored(widen1(x[d]) * widen1(c[d]), x);
+    const float b = stored(widen1(x[d - half]) * widen1(s[d]), x);
+    store1(a + b, y + d);
+  }
+}
+
+template <typename T>
+static void rope_write(torch::Tensor mixed, torch::Tensor cos, torch::Tensor sin,
+                       torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
+                       torch::Tensor q, int64_t heads) {
+  const int64_t B = mixed.size(0), T_ = mixed.size(1), KV = keys.size(1), D = keys.size(3);
+  const int64_t width = (heads + 2 * KV) * D;
+  const auto* mp = reinterpret_cast<const T*>(mixed.data_ptr());
+  const auto* cp = reinterpret_cast<const T*>(cos.data_ptr());
+  const auto* sp = reinterpret_cast<const T*>(sin.data_ptr());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  auto* qp = reinterpret_cast<T*>(q.data_ptr());
+  auto* kp = reinterpret_cast<T*>(keys.data_ptr());
+  auto* vp = reinterpret_cast<T*>(values.data_ptr());
+  const int64_t kb = keys.stride(0), kh = keys.stride(1), ks = keys.stride(2);
+  const int64_t vb = values.stride(0), vh = values.stride(1), vs = values.stride(2);
+  at::parallel_for(0, B * T_, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / T_, at = slot[i];
+      const T* row = mp + i * width;
+      const T *c = cp + i * D, *s = sp + i * D;
+      for (int64_t h = 0; h < heads; ++h) rope_head(row + h * D, c, s, qp + (i * heads + h) * D, D);
+      for (int64_t h = 0; h < KV; ++h) {
+        rope_head(row + (heads + h) * D, c, s, kp + b * kb + h * kh + at * ks, D);
+        std::memcpy(vp + b * vb + h * vh + at * vs, row + (heads + KV + h) * D, D * sizeof(T));
+      }
+    }
+  });
 }
 
 // One attention block's middle for a few new tokens per row, in one call: RoPE on the
 // queries and keys of mixed [B, T, (H + 2 KV) * D] (the q|k|v product), the new keys and
 // values written to slots [B, T] of the cache [B, KV, capacity, D], then decode_attention
-// over its first `span` slots. cos, sin [B, T, D].
+// over its first `span` slots. cos, sin [B, T, D]. bf16 or fp32 throughout.
 torch::Tensor rope_attend(torch::Tensor mixed, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
                           torch::Tensor visible, int64_t heads, double scale) {
-  const int64_t B = mixed.size(0), T = mixed.size(1), KV = keys.size(1), D = keys.size(3);
-  const int64_t width = (heads + 2 * KV) * D;
-  TORCH_CHECK(mixed.is_contiguous() && mixed.size(2) == width, "mixed: [B, T, (H + 2 KV) D]");
+  const int64_t B = mixed.size(0), T_ = mixed.size(1), KV = keys.size(1), D = keys.size(3);
+  TORCH_CHECK(mixed.is_contiguous() && mixed.size(2) == (heads + 2 * KV) * D,
+              "mixed: [B, T, (H + 2 KV) D]");
+  TORCH_CHECK(keys.scalar_type() == mixed.scalar_type() && cos.scalar_type() == mixed.scalar_type(),
+              "mixed, cos, sin and the cache must share a dtype");
   cos = cos.contiguous();
   sin = sin.contiguous();
   slots = slots.contiguous();
-  auto q = torch::empty({B, T, heads, D}, mixed.options());
-  const auto* mp = reinterpret_cast<const uint16_t*>(mixed.data_ptr());
-  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
-  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  auto* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
-  auto* kp = reinterpret_cast<uint16_t*>(keys.data_ptr());
-  auto* vp = reinterpret_cast<uint16_t*>(values.data_ptr());
-  const int64_t kb = keys.stride(0), kh = keys.stride(1), ks = keys.stride(2);
-  const int64_t vb = values.stride(0), vh = values.stride(1), vs = values.stride(2);
-  at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / T, at = slot[i];
-      const uint16_t* row = mp + i * width;
-      const uint16_t *c = cp + i * D, *s = sp + i * D;
-      for (int64_t h = 0; h < heads; ++h) rope_head(row + h * D, c, s, qp + (i * heads + h) * D, D);
-      for (int64_t h = 0; h < KV; ++h) {
-        rope_head(row + (heads + h) * D, c, s, kp + b * kb + h * kh + at * ks, D);
-        std::memcpy(vp + b * vb + h * vh + at * vs, row + (heads + KV + h) * D, D * 2);
-      }
-    }
-  });
+  auto q = torch::empty({B, T_, heads, D}, mixed.options());
+  if (mixed.scalar_type() == torch::kFloat)
+    rope_write<float>(mixed, cos, sin, keys, values, slots, q, heads);
+  else
+    rope_write<uint16_t>(mixed, cos, sin, keys, values, slots, q, heads);
   const int64_t span = visible.size(2);
   return decode_attention(q, keys.narrow(2, 0, span), values.narrow(2, 0, span), visible, scale);
 }

@@ -80,33 +80,36 @@ def kernel():
         return None
 
 
-def fuses(x: torch.Tensor) -> bool:
-    """Whether these kernels take x's arithmetic: bf16 on a CPU, where they compiled."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and kernel() is not None
+FP32_TOKENS = 4  # new tokens per row up to which the fp32 attention beats torch's SDPA
 
 
-FP32_TOKENS = 4  # new tokens per row up to which the fp32 kernel beats torch's SDPA
-
-
-def attends_fp32(q: torch.Tensor) -> bool:
-    """Whether decode_attention takes q [B, T, heads, D]'s attention in fp32: on a CPU,
-    for a few new tokens per row (a plain decoding step, a small tree), where it compiled.
-    torch's SDPA takes a mask as a dense float bias and loops over every row and head
-    for one query: 2x this kernel's time at 80 rows x 1 token (BENCHMARKS.md). For more
-    tokens SDPA's matrix products win."""
+def norms(x: torch.Tensor) -> bool:
+    """Whether `add_rms_norm` takes x's residual add and RMSNorm: bf16 or fp32 on a CPU,
+    where the kernels compiled."""
     return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and q.shape[1] <= FP32_TOKENS
+        x.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float32)
         and kernel() is not None
     )
+
+
+def attends(x: torch.Tensor, tokens: int) -> bool:
+    """Whether `rope_attend` takes the attention of x [B, T, ...] with `tokens` new tokens
+    per row: bf16 on a CPU always; fp32 for up to FP32_TOKENS (a plain decoding step, a
+    small tree), where torch's SDPA, which takes a mask as a dense float bias and loops
+    over every row and head, took twice this kernel's time at 80 rows x 1 token on the
+    AVX2 EPYC (BENCHMARKS.md). For more tokens SDPA's matrix products win."""
+    if not norms(x):
+        return False
+    return x.dtype == torch.bfloat16 or tokens <= FP32_TOKENS
 
 
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, its RMSNorm) in one pass over the rows (x alone where delta is None),
-    rounded as torch rounds `x + delta` and F.rms_norm in bf16."""
+    rounded as torch rounds `x + delta` and F.rms_norm in x's dtype (fp32 sums the
+    squares in its own order)."""
     total, normed = kernel().add_rms_norm(x, delta, weight, eps)  # the binding gives a list
     return total, normed
 

@@ -115,8 +115,8 @@ def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream x plus a block's output, and the next block's input: its
-    RMSNorm (in bf16 on a CPU one pass over the rows instead of seven small ops)."""
-    if cpu_kernels.fuses(x):
+    RMSNorm (on a CPU one pass over the rows instead of seven small ops)."""
+    if cpu_kernels.norms(x):
         return cpu_kernels.add_rms_norm(x, delta, weight, eps)
     if delta is not None:
         x = x + delta
@@ -185,8 +185,6 @@ def attend(
         keys.transpose(1, 2)[writes.rows, writes.slots] = k
         values.transpose(1, 2)[writes.rows, writes.slots] = v
     span = writes.span
-    if mask is not None and cpu_kernels.attends_fp32(q):  # reads each row up to its own end
-        return cpu_kernels.decode_attention(q, keys[:, :, :span], values[:, :, :span], mask)
     q = q.transpose(1, 2)
     if mask is None:
         out = F.scaled_dot_product_attention(
@@ -238,7 +236,7 @@ def self_attention(
         writes = Writes(writes, None, writes + t)
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.dim
     mixed = qkv(x)
-    if cpu_kernels.fuses(x):  # bf16 on a CPU: one pass
+    if cpu_kernels.attends(x, t):  # on a CPU: one pass
         slots = writes.slots_of(b, t)
         mask = mask if mask is not None else writes.causal(slots)
         return o(cpu_kernels.rope_attend(mixed, angles, keys, values, slots, mask, heads))
@@ -274,7 +272,7 @@ def forward(
     angles = rope(model.rotary, x, positions)
     writes = Writes.of(start, ids.shape[0], ids.shape[1], ids.device)
     captured = {}
-    if mask is None and cpu_kernels.fuses(x):  # its kernel takes the causal mask, once
+    if mask is None and cpu_kernels.attends(x, ids.shape[1]):  # the kernel's causal mask, once
         mask = writes.causal(writes.slots_of(*ids.shape))
     norms = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
     x, h = add_rms_norm(x, None, model.layers[0].input_norm, model.eps)

@@ -88,8 +88,8 @@ def test_the_cpu_attention_kernel_is_attention_over_the_masked_slots(tokens, dim
         q.transpose(1, 2).double(), keys.double(), values.double(), attn_mask=mask,
         enable_gqa=True,
     ).transpose(1, 2).reshape(3, tokens, 6 * dim)  # fmt: skip
-    assert cpu_kernels.fuses(q) == (dtype == torch.bfloat16)
-    assert cpu_kernels.attends_fp32(q) == (dtype == torch.float32 and tokens <= 4)
+    assert cpu_kernels.norms(q)
+    assert cpu_kernels.attends(q, tokens) == (dtype == torch.bfloat16 or tokens <= 4)
     got = cpu_kernels.decode_attention(q, keys, values, mask)
     assert got.dtype == dtype and got.shape == (3, tokens, 6 * dim)
     assert torch.allclose(got.double(), expected, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -99,16 +99,18 @@ def test_the_cpu_attention_kernel_is_attention_over_the_masked_slots(tokens, dim
     assert torch.equal(got, first)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dim", [16, 64])
 @torch.inference_mode()
-def test_the_fused_bf16_block_equals_rope_then_the_cache_write_then_the_kernel(dim):
+def test_the_fused_block_equals_rope_then_the_cache_write_then_the_kernel(dim, dtype):
     """rope_attend rounds as llama.rotate does and writes each new key and value to its
-    own row's slot: the same bits as the three steps one after the other."""
+    own row's slot: in bf16 the same bits as the three steps one after the other; in fp32
+    (where the compiler may fuse RoPE's multiply and add) within an fp32 rounding."""
     torch.manual_seed(0)
     b, t, heads, kv_heads, capacity = 3, 2, 6, 2, 24
-    mixed = torch.randn(b, t, (heads + 2 * kv_heads) * dim).bfloat16()
-    angles = [torch.randn(b, t, 1, dim).bfloat16() for _ in range(2)]
-    keys, values = torch.randn(2, b, kv_heads, capacity, dim).bfloat16()
+    mixed = torch.randn(b, t, (heads + 2 * kv_heads) * dim).to(dtype)
+    angles = [torch.randn(b, t, 1, dim).to(dtype) for _ in range(2)]
+    keys, values = torch.randn(2, b, kv_heads, capacity, dim).to(dtype)
     lengths = torch.tensor([5, 9, 7])
     slots = lengths[:, None] + torch.arange(t)
     span = int(slots.max()) + 1
@@ -126,8 +128,10 @@ def test_the_fused_bf16_block_equals_rope_then_the_cache_write_then_the_kernel(d
         qk[:, :, :heads], want_keys[:, :, :span], want_values[:, :, :span], mask
     )
     got = cpu_kernels.rope_attend(mixed, angles, keys, values, slots, mask, heads)
-    assert torch.equal(got, want)
-    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a, b) if dtype == torch.bfloat16 else torch.allclose(a, b, atol=1e-6)
+
+    assert same(got, want) and same(keys, want_keys) and torch.equal(values, want_values)
 
 
 @pytest.mark.parametrize("with_delta", [True, False])
@@ -144,3 +148,17 @@ def test_the_fused_bf16_norm_is_the_sum_and_torchs_rms_norm(with_delta):
     steps = (normed.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)
     assert float(steps.max()) <= 2**-7  # one bf16 step at most
     assert float((normed != want).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_the_fused_fp32_norm_is_the_sum_and_torchs_rms_norm(with_delta):
+    """In fp32 the residual sum is torch's bit for bit and the norm within a few fp32
+    roundings of F.rms_norm."""
+    torch.manual_seed(0)
+    x, delta = torch.randn(2, 2, 37, 576) * 3
+    weight = torch.rand(576) + 0.5
+    total, normed = cpu_kernels.add_rms_norm(x, delta if with_delta else None, weight, 1e-5)
+    want_total = x + delta if with_delta else x
+    assert torch.equal(total, want_total)
+    want = torch.nn.functional.rms_norm(want_total, (576,), weight, 1e-5)
+    torch.testing.assert_close(normed, want, rtol=1e-6, atol=1e-6)
