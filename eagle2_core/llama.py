@@ -5,9 +5,10 @@ builders and a cache object that concatenates on every step; on the 2-core dev C
 left a 1-token forward of SmolLM2-135M at 46 ms for ~14 ms of weight traffic. This
 forward reads the same weights (q|k|v and gate|up stacked into one product each, see
 `kernels.Linear`), writes keys and values in place into a `BatchKV`, and takes RoPE from
-the model's own rotary module (so every rope scaling transformers knows works). Same
-arithmetic in the same order per output element, so greedy output stays identical to
-`generate` (tests/eagle2_core/test_engine.py checks it).
+the model's own rotary module (so every rope scaling transformers knows works). The same
+arithmetic per output element; on a CPU the decoding attention and the norms run in
+cpu_kernels, which add up in their own order, and greedy output stays identical to
+`generate` (tests/eagle2_core/test_engine.py and test_smollm2.py check it).
 """
 
 from __future__ import annotations
