@@ -77,7 +77,7 @@ def _load_decoder(spec: JobSpec, device: str, batch_size: int | str | None) -> A
 def _announce_measuring(path: Path) -> None:
     print(
         "measuring this machine's forward costs for --batch-size auto and --total-tokens "
-        f"auto (once, about a minute on a CPU; cached in {path})",
+        f"auto (once, one to two minutes on a 2-core CPU; cached in {path})",
         file=sys.stderr,
         flush=True,
     )
