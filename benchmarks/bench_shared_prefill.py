@@ -26,9 +26,7 @@ TEXT = Path(__file__).resolve().parent.parent / "README.md"
 class OwnPrefill(BatchDecoder):
     """The baseline: every sequence runs the target over its prompt."""
 
-    def _prefill(self, key, prompt_ids, prompt):
-        self.prefill = None
-        return super()._prefill(key, prompt_ids, prompt)
+    shares_prefill = False
 
 
 def decode(engine: Engine, decoder: type[BatchDecoder], ids: list[int], configs) -> tuple:

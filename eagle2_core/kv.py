@@ -284,9 +284,16 @@ class RaggedKV:
     def add_row(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A new last row whose first `length` slots the caller fills (a prefill): returns
         that row's key and value views [layers, 1, kv_heads, slots, head_dim]."""
-        self.reserve(self.rows + 1, length)
-        self.lens.append(length)
-        return self.layer_views(slice(self.rows - 1, self.rows))
+        return self.add_rows([length], length)
+
+    def add_rows(self, lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New last rows, one per length, whose first `width` slots the caller writes (a
+        prefill of prompts padded to `width`); row i keeps its first lengths[i] entries,
+        and what lies past them is never read. Returns the rows' key and value views."""
+        first = self.rows
+        self.reserve(first + len(lengths), width)
+        self.lens += lengths
+        return self.layer_views(slice(first, self.rows))
 
     def copy_prefix(self, source: int, row: int, length: int) -> None:
         """Row `row`'s first `length` slots take row `source`'s entries (a shared prompt)."""

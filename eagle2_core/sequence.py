@@ -37,6 +37,20 @@ class Sequence:
 
 
 @dataclass(frozen=True)
+class Joining:
+    """A sequence added to a batch and waiting for the next step's prefill."""
+
+    key: Hashable
+    prompt_ids: list[int]
+    config: DecodeConfig
+    drafter: Drafter | None
+    generator: torch.Generator
+    controls: RowControls | None
+    stats: DecodeStats
+    dynamic: bool  # drafts with the batch's EAGLE-2 head
+
+
+@dataclass(frozen=True)
 class Prefill:
     """The newest prompt prefilled, kept so that a sequence added next with the same prompt
     (the n completions of one request) copies that row's cache instead of running the
