@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import click
+from profile_batch import first_turns
 
 from eagle2_core import cpu_kernels
 from eagle2_core.config import DecodeConfig
@@ -33,12 +34,11 @@ from eagle2_core.registry import DEFAULT_MODEL, encode_chat
 @click.option("--blocks", default=6, show_default=True, help="Blocks of rounds per side.")
 @click.option("--rounds", default=4, show_default=True, help="Timed rounds per block.")
 def main(dataset: Path, batch_size: int, dtype: str, blocks: int, rounds: int) -> None:
-    turns = [json.loads(x)["turns"][0] for x in dataset.read_text().splitlines() if x.strip()]
     engine = load_engine(DEFAULT_MODEL, None, needs_draft=False, dtype=resolve_dtype(dtype, "cpu"))
     config = DecodeConfig(mode="vanilla", max_new_tokens=4 + blocks * 2 * (rounds + 1) + 4)
     decoder = BatchDecoder(engine, batch_size=batch_size)
-    for i in range(batch_size):
-        messages = [{"role": "user", "content": turns[i % len(turns)]}]
+    for i, text in enumerate(first_turns(dataset, batch_size)):
+        messages = [{"role": "user", "content": text}]
         decoder.add(i, encode_chat(engine.target.tokenizer, messages), config)
     kernels = {"norms": cpu_kernels.norms, "attends": cpu_kernels.attends}
     torch_ops = {"norms": lambda x: False, "attends": lambda x, tokens: False}
