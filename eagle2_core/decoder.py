@@ -57,7 +57,8 @@ class BatchDecoder:
     verifies all trees in one batched target forward.
 
     Callers `add` sequences whenever they like (continuous batching) and call `step`
-    for one round; finished sequences leave the batch. Each sequence is decoded exactly
+    for one round; the sequences added since the last step are prefilled together at its
+    start, and finished sequences leave the batch. Each sequence is decoded exactly
     as it would be alone (its own tree, acceptance, cache length, stop and generator);
     only how much is speculated depends on the batch (see plan.py). A batch drafts with
     the engine's EAGLE-2 (all rows share one tree shape) or row by row (EAGLE-1, plain
