@@ -128,6 +128,7 @@ def test_the_fused_block_equals_rope_then_the_cache_write_then_the_kernel(dim, d
         qk[:, :, :heads], want_keys[:, :, :span], want_values[:, :, :span], mask
     )
     got = cpu_kernels.rope_attend(mixed, angles, keys, values, slots, mask, heads)
+
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.equal(a, b) if dtype == torch.bfloat16 else torch.allclose(a, b, atol=1e-6)
 
