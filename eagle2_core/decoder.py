@@ -154,8 +154,7 @@ class BatchDecoder:
         for (join, _, features), logits in zip(prefilled, lasts, strict=True):
             join.stats.total_ms += seconds * 1000 * len(join.prompt_ids) / prompt_tokens
             self._start(join, features, logits)
-        if any(seq.finish is not None for seq in self.rows):
-            self._drop_finished()
+        self._drop_finished()
 
     def _start(self, join: Joining, features: torch.Tensor, logits: torch.Tensor) -> None:
         """A prefilled prompt becomes a row: its first token from the prompt's last logits."""
@@ -200,38 +199,34 @@ class BatchDecoder:
         prefilled before it whose row is still here (the n completions of one request),
         copies that row instead of running the target again: the same numbers, a copy
         instead of a forward (Prefill)."""
-        done: list[tuple[Joining, torch.Tensor, torch.Tensor]] = []
-        rows: dict[tuple[int, ...], int] = {}  # prompt -> the row index in `done` holding it
-        last = self.prefill
+        held: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {}
+        last = self.prefill  # held: prompt -> (cache row holding it, last state, features)
         if self.shares_prefill and last is not None:
             source = next((i for i, s in enumerate(self.rows) if s.key == last.key), None)
             if source is not None:
-                rows[tuple(last.prompt_ids)] = -1 - source  # a row already decoding
-        copies, fresh = [], []
+                held[tuple(last.prompt_ids)] = (source, last.last_hidden, last.features)
+        firsts, copies, seen = [], [], set(held)
         for join in joining:
             prompt = tuple(join.prompt_ids)
-            if self.shares_prefill and prompt in rows:
+            if self.shares_prefill and prompt in seen:
                 copies.append(join)
             else:
-                rows[prompt] = len(fresh)
-                fresh.append(join)
-        fresh.sort(key=lambda j: len(j.prompt_ids), reverse=True)
-        first_row = len(self.rows)
-        for group in _groups(fresh):
+                seen.add(prompt)
+                firsts.append(join)
+        firsts.sort(key=lambda j: len(j.prompt_ids), reverse=True)
+        done: list[tuple[Joining, torch.Tensor, torch.Tensor]] = []
+        for group in _groups(firsts):
             for join, last_hidden, features in zip(group, *self._prefill_group(group), strict=True):
-                rows[tuple(join.prompt_ids)] = len(done)
+                held[tuple(join.prompt_ids)] = (len(self.rows) + len(done), last_hidden, features)
                 done.append((join, last_hidden, features))
         for join in copies:
-            index = rows[tuple(join.prompt_ids)]
-            if index < 0:  # a row that was decoding before this queue
-                source, last_hidden, features = -1 - index, last.last_hidden, last.features
-            else:
-                source, (_, last_hidden, features) = first_row + index, done[index]
+            source, last_hidden, features = held[tuple(join.prompt_ids)]
             self.kv.add_row(len(join.prompt_ids))
             self.kv.copy_prefix(source, self.kv.rows - 1, len(join.prompt_ids))
             done.append((join, last_hidden, features))
-        newest = next(d for d in done if d[0] is joining[-1])
-        self.prefill = Prefill(newest[0].key, newest[0].prompt_ids, newest[1], newest[2])
+        newest = joining[-1]
+        _, last_hidden, features = held[tuple(newest.prompt_ids)]
+        self.prefill = Prefill(newest.key, newest.prompt_ids, last_hidden, features)
         return done
 
     def _prefill_group(self, group: list[Joining]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
