@@ -443,7 +443,9 @@ class BatchDecoder:
         controls = [seq.controls for seq in self.rows]
         if any(c is not None for c in controls):  # rows with processors: their own logits
             logits = process_trees(logits, trees, controls)
-        choices = logits.float().argmax(dim=-1)  # torch's bf16 argmax: 5x slower on a CPU
+        # max's indices are argmax's (the first maximal one), at a third of its time on a
+        # CPU: 1.1 against 2.9 ms for 80 rows of fp32 logits, 1.7 against 8.2 in bf16.
+        choices = logits.max(dim=-1).indices
         for row, seq in enumerate(self.rows):
             sampling = seq.config.sampling
             if not sampling.greedy:
