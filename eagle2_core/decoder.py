@@ -79,6 +79,7 @@ class BatchDecoder:
         self.fresh: Fresh | None = None  # the dynamic rows' tokens to catch up on
         self.shape: tuple[int, int] | None = None  # (tree_width, tree_depth) of EAGLE-2 rows
         self.rest = self.backoff = 0  # rounds to skip drafting, and the last such pause
+        self.retired = False  # EAGLE-2 rows decode plain until the batch empties (_retire)
         self.joining: list[Joining] = []  # added, to be prefilled at the next step
         self.prefill: Prefill | None = None
 
@@ -123,9 +124,12 @@ class BatchDecoder:
             empty = [] if config.logprobs else None
             self.finished.append((key, Generation([], "", "length", len(prompt_ids), stats, empty)))
             return
-        dynamic = drafter is None and config.mode == "eagle2" and self.engine.lean_head is not None
+        if not (self.rows or self.joining):
+            self.retired = False  # a new batch: drafting gets its chance again
+        eagle2 = drafter is None and config.mode == "eagle2" and self.engine.lean_head is not None
+        dynamic = eagle2 and not self.retired
         self._check_kind(dynamic, config)
-        if drafter is None and not dynamic:
+        if drafter is None and not eagle2:
             drafter = self.engine.drafter_for(config)
         if drafter is not None:
             drafter.reset()
@@ -339,7 +343,8 @@ class BatchDecoder:
         decoding, the next rounds skip drafting (1, 2, 4 .. MAX_REST rounds, doubling while
         it keeps not paying): plain decoding, while the fresh tokens wait to be caught up
         on in one head forward. So a useless draft costs a draft step every MAX_REST + 1
-        rounds."""
+        rounds, until a round after a pause of MAX_REST finds that it would not pay even
+        with drafting free: then the batch stops drafting (_retire)."""
         top_k, depth = self.shape
         device = self.target.device
         auto = all(s.config.planned for s in self.rows)
@@ -360,10 +365,23 @@ class BatchDecoder:
         adjust = draft_adjust(controls, self.engine.lean_head.token_ids, self.target.vocab_size)
         pool, max_depth = self.dynamic.draft(self.fresh, lens, plan, adjust)
         sizes = planner.sizes(pool) if planner is not None else caps
+        trees = select(pool, self.fresh.roots(), sizes, max_depth)
         if planner is not None:
+            if not planner.verifying_pays and self.backoff == MAX_REST:
+                self._retire()
             self.backoff = 0 if planner.pays else min(max(2 * self.backoff, 1), MAX_REST)
             self.rest = self.backoff
-        return select(pool, self.fresh.roots(), sizes, max_depth), planner, False
+        return trees, planner, False
+
+    def _retire(self) -> None:
+        """Drafting has not paid through the longest pause, and would not even if it cost
+        nothing: at this batch size verifying more nodes costs more than this head's
+        drafts bring. The rows decode plain from now on, rows joining meanwhile skip the
+        head's prefill, and the next batch (once this one empties) drafts again. At one
+        or a few rows a verify forward costs about the same for a few more nodes, so
+        there it never retires."""
+        self.retired = True
+        self.dynamic = self.fresh = None
 
     def _verify(self, trees: TreeBatch, context_lens: list[int], skipped: bool) -> _Step:
         """One target forward over every row's tree; accept, commit, and what each row

@@ -14,7 +14,9 @@ planner picks, for the whole batch (every row shares one verify forward):
 Confidence is calibrated online (realised accepted drafts / predicted, a running ratio),
 so an over- or under-confident head, sampling, or a head that knows nothing all get sized by
 what they actually achieve. A round whose best tree, drafting included, does not beat
-plain decoding's rate tells the decoder to pause drafting (decoder.py). A fixed
+plain decoding's rate tells the decoder to pause drafting, and one that would not beat it
+even with drafting free, at the end of the longest pause, to stop drafting for the rest
+of the batch (decoder.py). A fixed
 `total_tokens` bypasses all of this.
 """
 
@@ -80,7 +82,7 @@ class Planner:
         self.verify_ms = costs.verify_curve(rows, largest, context)
         self.width = max(1, min(top_k, math.ceil(calibration.nodes)))
         self.draft_ms = 0.0
-        self.chosen, self.pays = 1, False
+        self.chosen, self.pays, self.verifying_pays = 1, False, False
         self._previous = torch.zeros(rows, 0)  # the previous level's frontier scores
 
     def drafted(self, tokens_per_row: int) -> None:
@@ -133,8 +135,13 @@ class Planner:
 
     def sizes(self, pool: Pool) -> list[int]:
         """Nodes to verify per row: the best common size, within each row's cap. Sets
-        `pays`: whether this round, drafting included, beats plain decoding's rate."""
+        `pays`: whether this round, drafting included, beats plain decoding's rate, and
+        `verifying_pays`: whether it would if drafting cost nothing (where it does not,
+        the extra nodes cost the verify forward more than they are expected to bring:
+        a batch too large for this head's acceptance on this device)."""
         n, rate = self._best(pool.scores, self.draft_ms)
         plain = self.rows / (self.calibration.overhead_ms + float(self.verify_ms[1]))
         self.chosen, self.pays = n, rate > plain
+        free = self._best(pool.scores, 0.0)[1]  # the root alone is plain decoding: no gain
+        self.verifying_pays = self.pays or free > plain * (1 + TOLERANCE)
         return [min(n, cap) for cap in self.caps]

@@ -54,6 +54,82 @@ def test_drafting_pauses_where_it_cannot_pay_and_outputs_stay_exact(monkeypatch)
     assert rounds == 59 and len(calls) <= 1 + rounds // MAX_REST + 5  # 1 + 1 + 2 + 4 + 8 + 16..
 
 
+def test_a_batch_stops_drafting_where_verifying_more_nodes_cannot_pay(monkeypatch):
+    """Each extra node costs the verify forward five plain steps: after the longest pause
+    the batch stops drafting for good (1 + 1 + 2 + 4 + 8 + 16 rounds, six drafts), its
+    rows go on plain and exact, and a batch that starts after it empties drafts again."""
+    target = tiny_target(eos=None)
+    engine = Engine(target, tiny_head(target))
+    engine._costs = device_costs(verify_per_node_ms=50.0, draft_ms=40.0)
+    calls = count_drafts(monkeypatch)
+    first, second = prompts(96, lengths=(7, 9))
+    decoder = BatchDecoder(engine, batch_size=1)
+    decoder.add("first", first, DecodeConfig(max_new_tokens=100))
+    done = []
+    while not done:
+        done = decoder.step()
+        if len(calls) < 6:
+            assert not decoder.retired
+    assert decoder.retired and decoder.dynamic is None and len(calls) == 6
+    assert done[0][1].token_ids == hf_greedy(target, first, 100)
+    decoder.add("second", second, DecodeConfig(max_new_tokens=3))
+    assert not decoder.retired and decoder.dynamic is not None
+    while not decoder.step():
+        pass
+    assert len(calls) == 7  # the new batch's first round drafted
+
+
+def test_rows_joining_a_batch_that_stopped_drafting_skip_the_head(monkeypatch):
+    target = tiny_target(eos=None)
+    engine = Engine(target, tiny_head(target))
+    engine._costs = device_costs(verify_per_node_ms=50.0, draft_ms=40.0)
+    calls = count_drafts(monkeypatch)
+    first, second = prompts(96, lengths=(7, 9))
+    decoder = BatchDecoder(engine, batch_size=2)
+    decoder.add("first", first, DecodeConfig(max_new_tokens=60))
+    while not decoder.retired:
+        decoder.step()
+    added = count_head_rows(monkeypatch)
+    decoder.add("second", second, DecodeConfig(max_new_tokens=20))
+    outputs = {}
+    while decoder.active:
+        outputs.update(decoder.step())
+    assert added == [] and len(calls) == 6
+    assert outputs["second"].token_ids == hf_greedy(target, second, 20)
+    assert outputs["first"].token_ids == hf_greedy(target, first, 60)
+
+
+def count_head_rows(monkeypatch) -> list[int]:
+    added = []
+    real = DynamicDrafter.add
+
+    def counted(self, *args, **kwargs):
+        added.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DynamicDrafter, "add", counted)
+    return added
+
+
+def test_a_batch_keeps_probing_where_only_drafting_is_dear(monkeypatch):
+    """Verifying more nodes costs nothing extra (one row on a memory-bound device) but a
+    draft step costs four forwards: drafting pauses for up to MAX_REST rounds at a time,
+    and never stops for good."""
+    target = tiny_target(eos=None)
+    engine = Engine(target, tiny_head(target))
+    engine._costs = device_costs(verify_per_node_ms=0.0, draft_ms=40.0)
+    calls = count_drafts(monkeypatch)
+    prompt = prompts(96, lengths=(7,))[0]
+    decoder = BatchDecoder(engine, batch_size=1)
+    decoder.add("only", prompt, DecodeConfig(max_new_tokens=100))
+    done = []
+    while not done:
+        done = decoder.step()
+    assert not decoder.retired
+    assert len(calls) > 6  # probes at rounds 1, 3, 6, 11, 20, 37, 54, 71, 88
+    assert done[0][1].token_ids == hf_greedy(target, prompt, 100)
+
+
 def test_drafting_goes_on_where_it_pays(monkeypatch):
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
