@@ -377,9 +377,10 @@ class BatchDecoder:
         """Drafting has not paid through the longest pause, and would not even if it cost
         nothing: at this batch size verifying more nodes costs more than this head's
         drafts bring. The rows decode plain from now on, rows joining meanwhile skip the
-        head's prefill, and the next batch (once this one empties) drafts again. At one
-        or a few rows a verify forward costs about the same for a few more nodes, so
-        there it never retires."""
+        head's prefill, and the next batch (once this one empties) drafts again. Where a
+        few more nodes cost a verify forward next to nothing (one or a few rows, on most
+        devices), any draft with some confidence beats plain decoding when it is free,
+        so such a batch never stops."""
         self.retired = True
         self.dynamic = self.fresh = None
 
