@@ -12,6 +12,8 @@ place is taken by the last row (one row copied, not the whole batch).
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,7 @@ import torch
 # share of the slots: holes cost attention work, a compaction costs one copy of the cache.
 MIN_FILL = 0.5
 _GROW = 64  # slot capacity is a multiple of this
+LAZY_ZEROS_BYTES = 64 << 20  # caches from this size on are mapped zero pages (_zeros)
 # RaggedKV: attention runs over chunks of this many consecutive rows, each reading only its
 # own longest row's slots; rows are re-sorted by length when sorting would cut the slots
 # attention reads by at least RESORT_GAIN (BENCHMARKS.md, "Batched decoding").
@@ -177,10 +180,22 @@ def _grown(
     new_slots = -(-new_slots // _GROW) * _GROW
     out = []
     for old in (keys, values):
-        grown = old.new_zeros(old.shape[0], new_rows, heads, new_slots, dim)
+        grown = _zeros(old, (old.shape[0], new_rows, heads, new_slots, dim))
         grown[:, :used_rows, :, :used] = old[:, :used_rows, :, :used]
         out.append(grown)
     return out[0], out[1]
+
+
+def _zeros(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zeros of like's dtype and device. A large CPU cache is mapped from the kernel's
+    zero pages instead of written with zeros: only the slots rows reach are ever touched,
+    and torch's huge-page allocation of a whole 80-row fp32 cache (2.6 GB) cost 1.1-4.6 s
+    of page faults and compaction on the 2-core Xeon, against ~0.2 s for the slots used."""
+    size = math.prod(shape) * like.element_size()
+    if like.device.type != "cpu" or size < LAZY_ZEROS_BYTES:
+        return like.new_zeros(shape)
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=like.dtype).view(shape)
 
 
 def _fill_holes(keys: torch.Tensor, values: torch.Tensor, rows: int, gone: list[int]) -> list[int]:

@@ -3,8 +3,12 @@ that name their row and token."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
+from eagle2_core import kv as kv_module
 from eagle2_core.kv import BatchKV, RaggedKV, RowStarts, chunk_cost
 from eagle2_core.tree import DraftTree, stack
 
@@ -150,6 +154,42 @@ def test_ragged_storage_grows_and_removed_rows_are_filled_from_the_end():
     assert ragged_contents(kv)[0] == [0, 0.5, *steps]
     assert ragged_contents(kv)[3] == [9.0] * 70 + steps
     assert kv.keys.shape[3] >= 112 and kv.keys.shape[3] % 64 == 0
+
+
+def test_large_caches_are_mapped_zero_pages_and_grow_as_any(monkeypatch):
+    """Past LAZY_ZEROS_BYTES a cache is an anonymous mapping: zeros where nothing was
+    written (masked slots that torch's attention reads must be finite), the same contents
+    after growing and removing rows."""
+    monkeypatch.setattr(kv_module, "LAZY_ZEROS_BYTES", 0)
+    kv = new_ragged()
+    kv.reserve_batch(3, 8)
+    assert kv.keys.untyped_storage().nbytes() == kv.keys.numel() * kv.keys.element_size()
+    assert not kv.keys.any() and not kv.values.any()
+    for label in range(3):
+        add_ragged(kv, [label, label + 0.5])
+    add_ragged(kv, [9.0] * 70)  # grows rows and slots
+    assert kv.remove_rows([0]) == [3, 1, 2]
+    assert ragged_contents(kv) == [[9.0] * 70, [1, 1.5], [2, 2.5]]
+    assert not kv.keys[:, 1:3, :, 2:].any()  # past the short rows: still zeros
+
+
+def resident_bytes() -> int:
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_large_cache_takes_memory_only_where_rows_write():
+    """SmolLM2-135M's fp32 cache for 8 rows of 1,024 slots (377 MB): reserving it touches
+    nothing, and a 100-token prompt takes about its own share."""
+    kv = RaggedKV(30, 3, 64, torch.float32, "cpu")
+    before = resident_bytes()
+    kv.reserve_batch(8, 1024)
+    assert kv.keys.numel() * 4 * 2 > 350e6
+    assert resident_bytes() - before < 32e6
+    keys, values = kv.add_row(100)  # views of the whole row; a prefill writes 100 slots
+    keys[..., :100, :] = 1.0
+    values[..., :100, :] = 1.0
+    assert resident_bytes() - before < 32e6
 
 
 def test_ragged_tree_mask_sees_each_rows_own_entries_and_branch():
