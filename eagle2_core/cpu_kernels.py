@@ -21,7 +21,7 @@ stays token-identical to transformers' `generate` as before (the identity tests,
 the 80 MT-bench prompts against vLLM in BENCHMARKS.md), just as a batched product already
 rounds differently from a one-row one.
 
-It is compiled on first use (torch's cpp_extension, cached per source and CPU); where no
+It is compiled on first use (torch's cpp_extension, cached per source, CPU and torch); where no
 compiler is at hand `kernel()` is None and llama.py keeps torch's ops.
 """
 
@@ -38,7 +38,10 @@ SOURCE = (Path(__file__).parent / "cpu_kernels.cpp").read_text()
 
 
 def _cpu_tag() -> str:
-    """What the compiled code depends on: -march=native ties it to this CPU's flags."""
+    """What the compiled code depends on: -march=native ties it to this CPU's flags, and
+    the build to the torch it was compiled against. The torch's location counts too: a
+    build directory shared by two virtualenvs was rebuilt, silently, each time the other
+    one loaded it (~25 s on the 2-core Xeon)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -47,7 +50,8 @@ def _cpu_tag() -> str:
                 break
     except OSError:
         pass
-    return hashlib.sha256((SOURCE + flags + torch.__version__).encode()).hexdigest()[:16]
+    built_against = torch.__version__ + str(Path(torch.__file__).parent)
+    return hashlib.sha256((SOURCE + flags + built_against).encode()).hexdigest()[:16]
 
 
 @cache
@@ -59,7 +63,7 @@ def kernel():
         name = f"eagle2_cpu_kernels_{_cpu_tag()}"
         if not any(Path(_get_build_directory(name, False)).glob("*.so")):
             print(
-                "compiling the CPU kernels (once per machine, about a minute)",
+                "compiling the CPU kernels (once per machine and torch install, about a minute)",
                 file=sys.stderr,
                 flush=True,
             )
