@@ -124,11 +124,8 @@ class BatchDecoder:
             empty = [] if config.logprobs else None
             self.finished.append((key, Generation([], "", "length", len(prompt_ids), stats, empty)))
             return
-        if not (self.rows or self.joining):
-            self.retired = False  # a new batch: drafting gets its chance again
         eagle2 = drafter is None and config.mode == "eagle2" and self.engine.lean_head is not None
-        dynamic = eagle2 and not self.retired
-        self._check_kind(dynamic, config)
+        dynamic = self._check_kind(eagle2, config)
         if drafter is None and not eagle2:
             drafter = self.engine.drafter_for(config)
         if drafter is not None:
@@ -250,8 +247,14 @@ class BatchDecoder:
             [features[row, :n] for row, n in enumerate(lengths)],
         )
 
-    def _check_kind(self, dynamic: bool, config: DecodeConfig) -> None:
+    def _check_kind(self, eagle2: bool, config: DecodeConfig) -> bool:
+        """Whether a row of `config` drafts with the batch's EAGLE-2 head (eagle2: its mode
+        and the engine would have it; not in a batch that stopped drafting, _retire),
+        checked against the rows decoding; a new batch starts drafting again."""
         busy = bool(self.rows or self.joining)
+        if not busy:
+            self.retired = False
+        dynamic = eagle2 and not self.retired
         if busy and (self.dynamic is not None) != dynamic:
             raise ValueError(
                 "a batch drafts either with the engine's EAGLE-2 head or row by row, not both"
@@ -269,6 +272,7 @@ class BatchDecoder:
             self.rest = self.backoff = 0
         if not dynamic and not busy:
             self.dynamic = self.fresh = None
+        return dynamic
 
     def _join_dynamic(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """The new row's draft cache takes all but its last committed token; that one is

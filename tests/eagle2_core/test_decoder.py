@@ -27,15 +27,16 @@ def device_costs(verify_per_node_ms: float, draft_ms: float) -> CostModel:
     )
 
 
-def count_drafts(monkeypatch) -> list[int]:
+def count_calls(monkeypatch, method: str) -> list[int]:
+    """A list that gains an entry at each call of DynamicDrafter.<method>."""
     calls = []
-    real = DynamicDrafter.draft
+    real = getattr(DynamicDrafter, method)
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(DynamicDrafter, "draft", counted)
+    monkeypatch.setattr(DynamicDrafter, method, counted)
     return calls
 
 
@@ -45,7 +46,7 @@ def test_drafting_pauses_where_it_cannot_pay_and_outputs_stay_exact(monkeypatch)
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
     engine._costs = device_costs(verify_per_node_ms=50.0, draft_ms=40.0)
-    calls = count_drafts(monkeypatch)
+    calls = count_calls(monkeypatch, "draft")
     prompt = prompts(96, lengths=(7,))[0]
     got = engine.generate(prompt, DecodeConfig(max_new_tokens=60))
     assert got.token_ids == hf_greedy(target, prompt, 60)
@@ -61,7 +62,7 @@ def test_a_batch_stops_drafting_where_verifying_more_nodes_cannot_pay(monkeypatc
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
     engine._costs = device_costs(verify_per_node_ms=50.0, draft_ms=40.0)
-    calls = count_drafts(monkeypatch)
+    calls = count_calls(monkeypatch, "draft")
     first, second = prompts(96, lengths=(7, 9))
     decoder = BatchDecoder(engine, batch_size=1)
     decoder.add("first", first, DecodeConfig(max_new_tokens=100))
@@ -83,13 +84,13 @@ def test_rows_joining_a_batch_that_stopped_drafting_skip_the_head(monkeypatch):
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
     engine._costs = device_costs(verify_per_node_ms=50.0, draft_ms=40.0)
-    calls = count_drafts(monkeypatch)
+    calls = count_calls(monkeypatch, "draft")
     first, second = prompts(96, lengths=(7, 9))
     decoder = BatchDecoder(engine, batch_size=2)
     decoder.add("first", first, DecodeConfig(max_new_tokens=60))
     while not decoder.retired:
         decoder.step()
-    added = count_head_rows(monkeypatch)
+    added = count_calls(monkeypatch, "add")
     decoder.add("second", second, DecodeConfig(max_new_tokens=20))
     outputs = {}
     while decoder.active:
@@ -99,18 +100,6 @@ def test_rows_joining_a_batch_that_stopped_drafting_skip_the_head(monkeypatch):
     assert outputs["first"].token_ids == hf_greedy(target, first, 60)
 
 
-def count_head_rows(monkeypatch) -> list[int]:
-    added = []
-    real = DynamicDrafter.add
-
-    def counted(self, *args, **kwargs):
-        added.append(1)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(DynamicDrafter, "add", counted)
-    return added
-
-
 def test_a_batch_keeps_probing_where_only_drafting_is_dear(monkeypatch):
     """Verifying more nodes costs nothing extra (one row on a memory-bound device) but a
     draft step costs four forwards: drafting pauses for up to MAX_REST rounds at a time,
@@ -118,7 +107,7 @@ def test_a_batch_keeps_probing_where_only_drafting_is_dear(monkeypatch):
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
     engine._costs = device_costs(verify_per_node_ms=0.0, draft_ms=40.0)
-    calls = count_drafts(monkeypatch)
+    calls = count_calls(monkeypatch, "draft")
     prompt = prompts(96, lengths=(7,))[0]
     decoder = BatchDecoder(engine, batch_size=1)
     decoder.add("only", prompt, DecodeConfig(max_new_tokens=100))
@@ -134,7 +123,7 @@ def test_drafting_goes_on_where_it_pays(monkeypatch):
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
     engine._costs = device_costs(verify_per_node_ms=0.0, draft_ms=0.01)
-    calls = count_drafts(monkeypatch)
+    calls = count_calls(monkeypatch, "draft")
     prompt = prompts(96, lengths=(7,))[0]
     got = engine.generate(prompt, DecodeConfig(max_new_tokens=30))
     assert got.token_ids == hf_greedy(target, prompt, 30)
