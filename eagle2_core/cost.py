@@ -159,7 +159,7 @@ def device_key(target: Target, head: LeanHead | None) -> str:
         hardware = torch.cuda.get_device_name(device)
     else:
         hardware = _cpu_name()
-    config = target.model.config
+    config = target.config
     parts = {
         "version": COST_VERSION,
         "torch": torch.__version__,

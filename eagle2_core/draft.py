@@ -17,12 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
+
+from eagle2_core.layers import MLP, RMSNorm, rotary_for, rotate_heads
 
 
 class DraftCheckpointError(ValueError):
@@ -64,7 +60,7 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, q_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, q_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *rope)
+        q, k = rotate_heads(q, k, *rope)
         if cache is not None:
             k = torch.cat([cache.keys, k], dim=2)
             v = torch.cat([cache.values, v], dim=2)
@@ -79,8 +75,8 @@ class DraftLayer(nn.Module):
     def __init__(self, config: LlamaConfig, qkv_bias: bool):
         super().__init__()
         self.self_attn = DraftAttention(config, qkv_bias)
-        self.mlp = LlamaMLP(config)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, rope, cache, mask):
         attn, cache = self.self_attn(x, rope, cache, mask)
@@ -98,7 +94,7 @@ class DraftHead(nn.Module):
         self.qkv_bias = qkv_bias
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList([DraftLayer(config, qkv_bias)])
-        self.rotary = LlamaRotaryEmbedding(config)
+        self.rotary = rotary_for(config)
 
     def forward(
         self,

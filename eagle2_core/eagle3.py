@@ -27,7 +27,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eagle2_core.draft import (
     DraftAttention,
@@ -39,6 +38,7 @@ from eagle2_core.draft import (
 )
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import BatchKV
+from eagle2_core.layers import MLP, RMSNorm, rotary_for
 from eagle2_core.llama import HeadShape, mlp, rms_norm, rope, self_attention
 from eagle2_core.models import Target
 from eagle2_core.vocab import DraftVocab
@@ -60,11 +60,11 @@ class Eagle3Layer(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         h = config.hidden_size
-        self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.self_attn = DraftAttention(config, qkv_bias=False, in_features=2 * h)
-        self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.mlp = MLP(config)
 
     def forward(self, embeds, hidden, rope_angles, cache, mask):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
@@ -83,11 +83,11 @@ class Eagle3Head(nn.Module):
         target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
         self.fc = nn.Linear(len(layers) * target_hidden, config.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(config)
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, len(draft_vocab), bias=False)
         self.register_buffer("d2t", draft_vocab.d2t())
         self.register_buffer("t2d", draft_vocab.t2d(config.vocab_size))
-        self.rotary = LlamaRotaryEmbedding(config)
+        self.rotary = rotary_for(config)
 
     @property
     def vocab(self) -> DraftVocab:
@@ -117,7 +117,7 @@ def new_eagle3_head(target, vocab: DraftVocab, seed: int = 0) -> Eagle3Head:
     its lm_head and final norm start as the target's own (restricted to the draft
     vocabulary), so step 0 begins near the target's distribution."""
     torch.manual_seed(seed)
-    target_config = target.model.config
+    target_config = target.config
     config = draft_config_for(target_config)
     head = Eagle3Head(config, vocab, reference_layers(target_config.num_hidden_layers))
     for module in head.modules():
@@ -126,9 +126,9 @@ def new_eagle3_head(target, vocab: DraftVocab, seed: int = 0) -> Eagle3Head:
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
     with torch.no_grad():
-        lm_head = target.model.get_output_embeddings().weight
+        lm_head = target.lm_weight
         head.lm_head.weight.copy_(lm_head[vocab.ids.to(lm_head.device)])
-        head.norm.weight.copy_(target.model.model.norm.weight)
+        head.norm.weight.copy_(target.lean.norm)
     return head
 
 

@@ -185,14 +185,14 @@ def load_head(
     if source is not None:
         raw = read_config(source)
         if is_eagle3(raw):
-            return load_eagle3(Path(source), raw, target.model.config), None
-        return load_draft(source, target.model.config), DraftVocab.load(source)
+            return load_eagle3(Path(source), raw, target.config), None
+        return load_draft(source, target.config), DraftVocab.load(source)
     log.warning(
         "USING A RANDOM, UNTRAINED DRAFT HEAD for %s: outputs are correct but nothing is "
         "sped up (tau ~ 1). This is for testing only: pass a trained head.",
         target.name,
     )
-    return new_draft_head(target.model.config), None
+    return new_draft_head(target.config), None
 
 
 def load_engine(

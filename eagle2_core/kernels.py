@@ -10,8 +10,8 @@ inductor's freezing pass emits) took 21 ms at 1 and 2 rows, 16 at 4, 20 at 8 and
 16: the weights stream at ~21 GB/s of the VM's ~31, and below ~10 rows a product costs
 about what one row does, which is what makes a draft tree cheap to verify
 (benchmarks/bench_kernels.py). The dense to blocked conversion happens once, at load;
-inputs and outputs stay plain dense tensors. The prepared copy doubles the weights in
-memory (the transformers model keeps its own for `generate` and training).
+inputs and outputs stay plain dense tensors. The prepared copy replaces the checkpoint's
+tensor (a transformers model, where `generate` asks for one, keeps its own).
 
 On CUDA (and wherever oneDNN is missing) cuBLAS already handles skinny products well,
 so `F.linear` is used as is.

@@ -48,7 +48,7 @@ class LeanHead:
             lm_head = target.head
             token_ids = torch.arange(target.vocab_size, device=device)
         else:
-            weight = target.model.get_output_embeddings().weight.detach()
+            weight = target.lm_weight
             token_ids = vocab.ids.to(device)
             lm_head = Linear(weight[token_ids])
         return cls(

@@ -4,8 +4,9 @@ transformers' `LlamaModel` runs ~25 small ops per layer through module hooks, ma
 builders and a cache object that concatenates on every step; on the 2-core dev CPU that
 left a 1-token forward of SmolLM2-135M at 46 ms for ~14 ms of weight traffic. This
 forward reads the same weights (q|k|v and gate|up stacked into one product each, see
-`kernels.Linear`), writes keys and values in place into a `BatchKV`, and takes RoPE from
-the model's own rotary module (so every rope scaling transformers knows works). The same
+`kernels.Linear`), straight from a checkpoint's tensors (no transformers model is built to
+decode), writes keys and values in place into a `BatchKV`, and computes RoPE as
+transformers does (layers.py: every rope scaling transformers knows works). The same
 arithmetic per output element; on a CPU the decoding attention and the norms run in
 cpu_kernels, which add up in their own order, and greedy output stays identical to
 `generate` (tests/eagle2_core/test_engine.py and test_smollm2.py check it).
@@ -17,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
 
 from eagle2_core import cpu_kernels
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import RowStarts
+from eagle2_core.layers import rotary_for, rotate
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -56,49 +57,50 @@ class LeanLlama:
     embed: torch.Tensor  # [V, H]
     layers: list[Layer]
     norm: torch.Tensor
-    rotary: torch.nn.Module  # the model's own: (x, positions) -> cos, sin
+    rotary: torch.nn.Module  # (x, positions) -> cos, sin
     eps: float
     shape: HeadShape
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> LeanLlama:
-        config = model.config
-        if config.model_type not in SUPPORTED or config.hidden_act != "silu":
-            raise UnsupportedModelError(
-                f"model type {config.model_type!r} (activation {config.hidden_act!r}) is not "
-                f"supported: the engine runs {', '.join(SUPPORTED)} models"
+    def of(cls, model: torch.nn.Module) -> LeanLlama:
+        """From a transformers model (tests build tiny random ones in code)."""
+        return cls.from_state(model.state_dict(), model.config)
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], config) -> LeanLlama:
+        """From a checkpoint's tensors, named as transformers' Llama names them
+        (model.layers.N.self_attn.q_proj.weight, ...), and the model's config."""
+        check_supported(config)
+
+        def weight(name: str) -> torch.Tensor:
+            return state[f"model.{name}.weight"].detach()
+
+        def stacked(prefix: str, names: tuple[str, ...]) -> Linear:
+            return Linear.stack(
+                [weight(f"{prefix}.{n}") for n in names],
+                [state.get(f"model.{prefix}.{n}.bias") for n in names],
             )
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            if config.sliding_window < config.max_position_embeddings:
-                raise UnsupportedModelError(
-                    f"sliding-window attention ({config.sliding_window} tokens) is not supported"
-                )
-        body = model.model
-        layers = []
-        for layer in body.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            layers.append(
-                Layer(
-                    input_norm=layer.input_layernorm.weight.detach(),
-                    qkv=Linear.stack(
-                        [p.weight for p in projections], [p.bias for p in projections]
-                    ),
-                    o=Linear.of(attn.o_proj),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=Linear.stack(
-                        [mlp.gate_proj.weight, mlp.up_proj.weight],
-                        [mlp.gate_proj.bias, mlp.up_proj.bias],
-                    ),
-                    down=Linear.of(mlp.down_proj),
-                )
+
+        def linear(name: str) -> Linear:
+            return Linear(weight(name), state.get(f"model.{name}.bias"))
+
+        layers = [
+            Layer(
+                input_norm=weight(f"layers.{i}.input_layernorm"),
+                qkv=stacked(f"layers.{i}.self_attn", ("q_proj", "k_proj", "v_proj")),
+                o=linear(f"layers.{i}.self_attn.o_proj"),
+                post_norm=weight(f"layers.{i}.post_attention_layernorm"),
+                gate_up=stacked(f"layers.{i}.mlp", ("gate_proj", "up_proj")),
+                down=linear(f"layers.{i}.mlp.down_proj"),
             )
+            for i in range(config.num_hidden_layers)
+        ]
         heads = config.num_attention_heads
         return cls(
-            embed=body.embed_tokens.weight.detach(),
+            embed=weight("embed_tokens"),
             layers=layers,
-            norm=body.norm.weight.detach(),
-            rotary=body.rotary_emb,
+            norm=weight("norm"),
+            rotary=rotary_for(config),
             eps=config.rms_norm_eps,
             shape=HeadShape(
                 heads,
@@ -106,6 +108,20 @@ class LeanLlama:
                 getattr(config, "head_dim", None) or config.hidden_size // heads,
             ),
         )
+
+
+def check_supported(config) -> None:
+    """Refuse a config the lean forward would compute wrongly."""
+    if config.model_type not in SUPPORTED or config.hidden_act != "silu":
+        raise UnsupportedModelError(
+            f"model type {config.model_type!r} (activation {config.hidden_act!r}) is not "
+            f"supported: the engine runs {', '.join(SUPPORTED)} models"
+        )
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        if config.sliding_window < config.max_position_embeddings:
+            raise UnsupportedModelError(
+                f"sliding-window attention ({config.sliding_window} tokens) is not supported"
+            )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,12 +138,6 @@ def add_rms_norm(
     if delta is not None:
         x = x + delta
     return x, rms_norm(x, weight, eps)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as transformers applies it (rotate_half of the two halves)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 @dataclass(frozen=True)

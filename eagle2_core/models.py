@@ -3,16 +3,20 @@
 A target is any Hugging Face Llama-family causal LM (Llama, Mistral, Qwen2), named by
 a built-in alias, a local directory, a GGUF file or a Hub id. Nothing is downloaded
 unless the caller allows it. Decoding runs the lean forward of llama.py over weights
-prepared once at load; the transformers model stays for `generate` (the oracle and the
-benchmarks' baseline) and for training.
+read straight from the checkpoint's safetensors: building transformers' model
+(`from_pretrained`, and importing its modeling code) took ~2.5 s of every command's
+start on the 2-core VMs. The transformers model is loaded only where it is asked for:
+`generate` (the oracle and the benchmarks' baseline) and training.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from eagle2_core import cpu_kernels
 from eagle2_core.kernels import Linear
@@ -21,38 +25,58 @@ from eagle2_core.llama import LeanLlama, forward
 from eagle2_core.registry import DEFAULT_MODEL, END_OF_TURN_TOKENS, ModelLoadError, resolve_model
 from eagle2_core.tokenizer import load_tokenizer
 
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
 
 @dataclass
 class Target:
     """A loaded target model with what decoding needs to know about it."""
 
-    model: PreTrainedModel
     tokenizer: object
     name: str
+    config: Any  # transformers' config of the model
+    lean: LeanLlama
+    lm_weight: torch.Tensor  # [V, H], the lm_head as stored (training scores through it)
     stop_ids: frozenset[int]
     max_context: int
-    lean: LeanLlama = field(init=False, repr=False)
+    source: Path | str | None = None  # where `model` loads from when first asked for
+    _model: torch.nn.Module | None = field(default=None, repr=False)
     head: Linear = field(init=False, repr=False)  # the lm_head, prepared
 
     def __post_init__(self) -> None:
-        self.lean = LeanLlama.of(self.model)
-        self.head = Linear.of(self.model.get_output_embeddings())
+        self.head = Linear(self.lm_weight)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """transformers' model of the same weights (loaded on first use: decoding never
+        needs it)."""
+        if self._model is None:
+            from transformers import AutoModelForCausalLM
+
+            self._model = (
+                AutoModelForCausalLM.from_pretrained(
+                    self.source, dtype=self.dtype, local_files_only=True
+                )
+                .to(self.device)
+                .eval()
+            )
+        return self._model
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return self.lm_weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.dtype
+        return self.lm_weight.dtype
 
     @property
     def hidden_size(self) -> int:
-        return self.model.config.hidden_size
+        return self.config.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.model.get_output_embeddings().weight.shape[0]
+        return self.lm_weight.shape[0]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.lean.embed)
@@ -67,16 +91,34 @@ class Target:
         return RaggedKV(len(lean.layers), shape.kv_heads, shape.dim, self.dtype, self.device)
 
 
-def stop_token_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
-    """EOS ids from the generation config and tokenizer, plus end-of-turn tokens in the vocab."""
+def stop_token_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
+    """EOS ids from the generation config (eos) and tokenizer, plus end-of-turn tokens in
+    the vocab."""
     ids: set[int] = set()
-    eos = model.generation_config.eos_token_id
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     vocab = tokenizer.get_vocab()
     ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
     return frozenset(ids)
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor] | None:
+    """A model directory's tensors from its safetensors (one file or an index of shards);
+    None where it has none (pytorch_model.bin: transformers loads those)."""
+    from safetensors.torch import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        return None
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(str(directory / shard)))
+    return state
 
 
 def load_target(
@@ -93,29 +135,81 @@ def load_target(
         tokenizer = load_tokenizer(
             source, allow_download=allow_download, trust_remote_code=trust_remote_code
         )
-        model = AutoModelForCausalLM.from_pretrained(
-            source,
-            dtype=dtype,
-            local_files_only=not allow_download,
-            trust_remote_code=trust_remote_code,
+        state = read_weights(source) if isinstance(source, Path) else None
+        if state is None:  # a Hub id or .bin weights: through transformers
+            return _from_pretrained(
+                source, tokenizer, name, dtype, device, allow_download, trust_remote_code
+            )
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            source, local_files_only=True, trust_remote_code=trust_remote_code
         )
     except OSError as exc:
         hint = "" if allow_download else " (downloads are off: pass --allow-download to fetch it)"
         raise ModelLoadError(f"cannot load model {name!r}: {exc}{hint}") from exc
-    model.to(device).eval()
+    state = _tied({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, config)
+    _compile_kernels(device)
+    generation = source / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    return Target(
+        tokenizer=tokenizer,
+        name=name,
+        config=config,
+        lean=LeanLlama.from_state(state, config),
+        lm_weight=state[LM_HEAD],
+        stop_ids=stop_token_ids(eos, tokenizer),
+        max_context=config.max_position_embeddings,
+        source=source,
+    )
+
+
+def _tied(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """A tied checkpoint stores the embedding and the lm_head once, under either name."""
+    if getattr(config, "tie_word_embeddings", False):
+        table = state.get(EMBED, state.get(LM_HEAD))
+        state = {**state, EMBED: table, LM_HEAD: table}
+    for needed in (EMBED, LM_HEAD):
+        if state.get(needed) is None:
+            raise ModelLoadError(f"the checkpoint has no {needed}")
+    return state
+
+
+def _compile_kernels(device: str) -> None:
     if torch.device(device).type == "cpu":
         cpu_kernels.kernel()  # compiled (once per machine) before anything is timed
+
+
+def _from_pretrained(
+    source, tokenizer, name, dtype, device, allow_download, trust_remote_code
+) -> Target:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        source,
+        dtype=dtype,
+        local_files_only=not allow_download,
+        trust_remote_code=trust_remote_code,
+    )
+    model.to(device).eval()
+    _compile_kernels(device)
     return target_from_model(model, tokenizer, name)
 
 
-def target_from_model(model: PreTrainedModel, tokenizer, name: str) -> Target:
-    """Wrap an already loaded model (tests build tiny random ones in code)."""
+def target_from_model(model: torch.nn.Module, tokenizer, name: str) -> Target:
+    """Wrap an already loaded transformers model (tests build tiny random ones in code)."""
+    model.eval()
     return Target(
-        model=model.eval(),
         tokenizer=tokenizer,
         name=name,
-        stop_ids=stop_token_ids(model, tokenizer),
+        config=model.config,
+        lean=LeanLlama.of(model),
+        lm_weight=model.get_output_embeddings().weight.detach(),
+        stop_ids=stop_token_ids(model.generation_config.eos_token_id, tokenizer),
         max_context=model.config.max_position_embeddings,
+        _model=model,
     )
 
 

@@ -136,7 +136,7 @@ def _check_served_draft(target: Target) -> None:
     from eagle2_core.draft import load_draft
 
     try:
-        load_draft(draft, target.model.config)
+        load_draft(draft, target.config)
     except Exception as exc:
         log.critical("cannot use draft head %s: %s: %s", draft, type(exc).__name__, exc)
         raise SystemExit(1) from exc

@@ -180,10 +180,9 @@ def loss_head(
     """The frozen lm_head the loss scores through, over the draft vocabulary when there is
     one (the distributions drafting ranks, at a sixth of the cost for SmolLM2); gradients
     pass through to the head's output."""
-    module = target.model.get_output_embeddings()
-    if vocab_ids is None:
-        return module
-    weight = module.weight.detach()[vocab_ids.to(module.weight.device)]
+    weight = target.lm_weight
+    if vocab_ids is not None:
+        weight = weight[vocab_ids.to(weight.device)]
     return lambda hidden: torch.nn.functional.linear(hidden, weight)
 
 
@@ -263,8 +262,6 @@ def train(
     if not train_data:
         raise ValueError("no training conversations: nothing to learn from")
     device = torch.device(config.device)
-    target.model.requires_grad_(False)
-    target.model.to(device)
     head.to(device=device, dtype=torch.float32).train()
     optimizer = torch.optim.AdamW(
         head.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay

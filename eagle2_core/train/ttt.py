@@ -20,9 +20,9 @@ import math
 from collections.abc import Callable
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from eagle2_core.eagle3 import Eagle3Head
+from eagle2_core.layers import rotate_heads
 from eagle2_core.train.loss import Batch, LossParts
 
 TTT_STEPS = 3  # the reference unrolls 7; each step costs a head forward (CPU: keep few)
@@ -38,7 +38,7 @@ def _attend(head: Eagle3Head, x, hidden, positions, chain):
     q = attn.q_proj(x).view(shape).transpose(1, 2)
     k = attn.k_proj(x).view(shape).transpose(1, 2)
     v = attn.v_proj(x).view(shape).transpose(1, 2)
-    q, k = apply_rotary_pos_emb(q, k, *head.rotary(x, positions))
+    q, k = rotate_heads(q, k, *head.rotary(x, positions))
     groups = attn.n_heads // attn.n_kv_heads
     entries = [*chain, (k, v)]
     keys = [e[0][:, :, :n].repeat_interleave(groups, dim=1) for e in entries]

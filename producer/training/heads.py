@@ -74,7 +74,7 @@ def starting_head(
         if arch == "eagle3":
             full = DraftVocab(torch.arange(target.vocab_size))
             return new_eagle3_head(target, vocab or full, seed=seed)
-        return new_draft_head(target.model.config, seed=seed)
+        return new_draft_head(target.config, seed=seed)
     try:
         head, _ = load_head(target, init_head_dir(init_head, model))
     except DraftCheckpointError as exc:

@@ -259,7 +259,7 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
     eagle3 = training.arch == "eagle3"
     layers = ()
     if eagle3 or training.eagle3_features:
-        layers = reference_layers(target.model.config.num_hidden_layers)
+        layers = reference_layers(target.config.num_hidden_layers)
     features = training.out / "features"
     train_data = load_shards(
         write_feature_shards(target, train_convs, features / "train", layers=layers), eagle3

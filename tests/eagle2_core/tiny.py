@@ -51,8 +51,10 @@ def tiny_target(
     layers: int = 2,
     dtype: torch.dtype = torch.float32,
     byte_level: bool = False,
+    tied: bool = False,
 ) -> Target:
-    """A random Llama over t0..t{V-1}, or with `byte_level` over byte_tokenizer's 257."""
+    """A random Llama over t0..t{V-1}, or with `byte_level` over byte_tokenizer's 257;
+    `tied`: its lm_head is its embedding table."""
     if byte_level:
         vocab_size, eos = BYTE_EOS + 1, BYTE_EOS
     torch.manual_seed(seed)
@@ -68,7 +70,7 @@ def tiny_target(
         bos_token_id=0,
         pad_token_id=0,
         initializer_range=0.5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     model = LlamaForCausalLM(config).eval().to(DEVICE, dtype)
     model.generation_config.eos_token_id = eos
