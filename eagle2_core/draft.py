@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig
 
 from eagle2_core.layers import MLP, RMSNorm, rotary_for, rotate_heads
+from eagle2_core.model_config import ModelConfig, head_config
 
 
 class DraftCheckpointError(ValueError):
@@ -37,7 +37,7 @@ class DraftCache:
 class DraftAttention(nn.Module):
     """Self-attention of a draft layer; q/k/v read in_features (2H for EAGLE-3)."""
 
-    def __init__(self, config: LlamaConfig, qkv_bias: bool, in_features: int | None = None):
+    def __init__(self, config: ModelConfig, qkv_bias: bool, in_features: int | None = None):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads or self.n_heads
@@ -72,7 +72,7 @@ class DraftAttention(nn.Module):
 class DraftLayer(nn.Module):
     """A Llama decoder layer whose input norm is the identity (as in EAGLE)."""
 
-    def __init__(self, config: LlamaConfig, qkv_bias: bool):
+    def __init__(self, config: ModelConfig, qkv_bias: bool):
         super().__init__()
         self.self_attn = DraftAttention(config, qkv_bias)
         self.mlp = MLP(config)
@@ -87,9 +87,9 @@ class DraftLayer(nn.Module):
 class DraftHead(nn.Module):
     """Predicts the target's next feature from (token embedding, current feature)."""
 
-    def __init__(self, config: LlamaConfig, fc_bias: bool = True, qkv_bias: bool = False):
+    def __init__(self, config: ModelConfig, fc_bias: bool = True, qkv_bias: bool = False):
         super().__init__()
-        self.config = config
+        self.config = config = ModelConfig.of(config)
         self.fc_bias = fc_bias
         self.qkv_bias = qkv_bias
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
@@ -110,23 +110,24 @@ class DraftHead(nn.Module):
         return self.layers[0](x, rope, cache, mask)
 
 
-def draft_config_for(target_config, **overrides) -> LlamaConfig:
-    """A one-layer LlamaConfig matching the target's sizes (for new heads)."""
+def draft_config_for(target_config, **overrides) -> ModelConfig:
+    """A one-layer config matching the target's sizes (for new heads)."""
+    target = ModelConfig.of(target_config)
     fields = dict(
-        hidden_size=target_config.hidden_size,
-        intermediate_size=target_config.intermediate_size,
-        num_attention_heads=target_config.num_attention_heads,
-        num_key_value_heads=getattr(target_config, "num_key_value_heads", None),
-        head_dim=getattr(target_config, "head_dim", None),
-        rms_norm_eps=target_config.rms_norm_eps,
-        vocab_size=target_config.vocab_size,
-        max_position_embeddings=target_config.max_position_embeddings,
-        rope_parameters=dict(target_config.rope_parameters),
-        hidden_act=target_config.hidden_act,
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim,
+        rms_norm_eps=target.rms_norm_eps,
+        vocab_size=target.vocab_size,
+        max_position_embeddings=target.max_position_embeddings,
+        rope_parameters=dict(target.rope_parameters),
+        hidden_act=target.hidden_act,
         num_hidden_layers=1,
     )
     fields.update(overrides)
-    return LlamaConfig(**fields)
+    return ModelConfig(**fields)
 
 
 def new_draft_head(target_config, seed: int = 0, fc_bias: bool = False) -> DraftHead:
@@ -153,7 +154,7 @@ def save_draft(
     """Write config.json + model.safetensors in the public EAGLE format."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = head.config.to_dict()
+    config = head.config.transformers().to_dict()
     config.update(bias=head.fc_bias, qkv_bias=head.qkv_bias, architectures=["LlamaForCausalLM"])
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     state = {
@@ -213,7 +214,7 @@ def load_draft(directory: str | Path, target_config=None) -> DraftHead:
     qkv_bias = raw.pop("qkv_bias", False)
     for key in ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version"):
         raw.pop(key, None)
-    config = LlamaConfig(**raw)
+    config = head_config(raw)
     if target_config is not None:
         _check_fits(config, raw.get("vocab_size"), target_config, directory)
     state = read_state(directory)
@@ -237,7 +238,7 @@ def load_weights(head: nn.Module, state: dict, directory: Path, layout: str) -> 
 
 
 def _check_fits(
-    config: LlamaConfig, vocab_size: int | None, target_config, directory: Path
+    config: ModelConfig, vocab_size: int | None, target_config, directory: Path
 ) -> None:
     if config.hidden_size != target_config.hidden_size:
         raise DraftCheckpointError(

@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers import LlamaConfig
 
 from eagle2_core.draft import (
     DraftAttention,
@@ -40,6 +39,7 @@ from eagle2_core.kernels import Linear
 from eagle2_core.kv import BatchKV
 from eagle2_core.layers import MLP, RMSNorm, rotary_for
 from eagle2_core.llama import HeadShape, mlp, rms_norm, rope, self_attention
+from eagle2_core.model_config import ModelConfig, head_config
 from eagle2_core.models import Target
 from eagle2_core.vocab import DraftVocab
 
@@ -57,7 +57,7 @@ def reference_layers(num_layers: int) -> tuple[int, int, int]:
 class Eagle3Layer(nn.Module):
     """The one decoder layer: attention over [norm(embedding), norm(hidden)]."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         h = config.hidden_size
         self.input_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
@@ -76,11 +76,11 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(nn.Module):
     """The trainable EAGLE-3 head; `lift` turns the target's three layers into its hidden."""
 
-    def __init__(self, config: LlamaConfig, draft_vocab: DraftVocab, layers: tuple[int, ...]):
+    def __init__(self, config: ModelConfig, draft_vocab: DraftVocab, layers: tuple[int, ...]):
         super().__init__()
-        self.config = config
+        self.config = config = ModelConfig.of(config)
         self.layers_used = tuple(layers)
-        target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
+        target_hidden = config.target_hidden_size or config.hidden_size
         self.fc = nn.Linear(len(layers) * target_hidden, config.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -138,8 +138,7 @@ def save_eagle3(
     """Write the head in the public EAGLE-3 layout (what load_eagle3 and SGLang read)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = head.config.to_dict()
-    config.pop("target_hidden_size", None)
+    config = head.config.replace(target_hidden_size=None).transformers().to_dict()
     config.update(
         architectures=[ARCHITECTURE],
         draft_vocab_size=head.lm_head.out_features,
@@ -186,7 +185,7 @@ def load_eagle3(directory: Path, raw: dict, target_config) -> Eagle3Head:
         *LAYER_KEYS,
     ):
         raw.pop(key, None)
-    config = LlamaConfig(**raw)
+    config = head_config(raw)
     if config.vocab_size != target_config.vocab_size:
         raise DraftCheckpointError(
             f"EAGLE-3 head {directory} has vocabulary size {config.vocab_size} but the target "
@@ -214,8 +213,7 @@ def load_eagle3(directory: Path, raw: dict, target_config) -> Eagle3Head:
             f"EAGLE-3 head {directory} reads {len(layers)} x {target_hidden} features but the "
             f"target's hidden size is {target_config.hidden_size}"
         )
-    config.target_hidden_size = target_hidden
-    head = Eagle3Head(config, vocab, layers)
+    head = Eagle3Head(config.replace(target_hidden_size=target_hidden), vocab, layers)
     state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
     dtype = state["fc.weight"].dtype
     return load_weights(head, state, directory, "EAGLE-3").to(dtype).eval()

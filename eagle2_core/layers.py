@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle2_core.model_config import ModelConfig
+
 # RoPE types whose frequencies change with the sequence's length: transformers' module.
 DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -63,7 +65,8 @@ class Rotary(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
+            rope_init = ROPE_INIT_FUNCTIONS[self.rope_type]
+            inv_freq, self.scaling = rope_init(ModelConfig.of(config).transformers())
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor):
@@ -80,7 +83,7 @@ def rotary_for(config) -> nn.Module:
     if config.rope_parameters["rope_type"] in DYNAMIC_ROPE:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        return LlamaRotaryEmbedding(config)
+        return LlamaRotaryEmbedding(ModelConfig.of(config).transformers())
     return Rotary(config)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -22,6 +21,7 @@ from eagle2_core import cpu_kernels
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import RaggedKV
 from eagle2_core.llama import LeanLlama, forward
+from eagle2_core.model_config import ModelConfig, load_model_config
 from eagle2_core.registry import DEFAULT_MODEL, END_OF_TURN_TOKENS, ModelLoadError, resolve_model
 from eagle2_core.tokenizer import load_tokenizer
 
@@ -34,7 +34,7 @@ class Target:
 
     tokenizer: object
     name: str
-    config: Any  # transformers' config of the model
+    config: ModelConfig
     lean: LeanLlama
     lm_weight: torch.Tensor  # [V, H], the lm_head as stored (training scores through it)
     stop_ids: frozenset[int]
@@ -140,11 +140,7 @@ def load_target(
             return _from_pretrained(
                 source, tokenizer, name, dtype, device, allow_download, trust_remote_code
             )
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(
-            source, local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        config = load_model_config(source, trust_remote_code)
     except OSError as exc:
         hint = "" if allow_download else " (downloads are off: pass --allow-download to fetch it)"
         raise ModelLoadError(f"cannot load model {name!r}: {exc}{hint}") from exc
@@ -153,7 +149,7 @@ def load_target(
     generation = source / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
     if eos is None:
-        eos = getattr(config, "eos_token_id", None)
+        eos = config.eos_token_id
     return Target(
         tokenizer=tokenizer,
         name=name,
@@ -204,7 +200,7 @@ def target_from_model(model: torch.nn.Module, tokenizer, name: str) -> Target:
     return Target(
         tokenizer=tokenizer,
         name=name,
-        config=model.config,
+        config=ModelConfig.of(model.config),
         lean=LeanLlama.of(model),
         lm_weight=model.get_output_embeddings().weight.detach(),
         stop_ids=stop_token_ids(model.generation_config.eos_token_id, tokenizer),

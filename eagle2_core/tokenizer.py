@@ -3,13 +3,38 @@
 `run` needs it twice, for job creation's prompt-length check and for the model it decodes
 with: parsing a 3.5 MB tokenizer.json took 0.3-0.7 s each time on the 2-core VMs. No
 torch here: the producer loads tokenizers without the engine.
+
+A Llama directory whose tokenizer_config.json names `TokenizersBackend` (what
+transformers 5 saves, our GGUF copies included) loads with that class directly: it is the
+class `AutoTokenizer` picks there, and AutoTokenizer first reads the model's config
+through transformers' `configuration_llama`, whose imports (torch.distributed, sympy) took
+~0.7 s of every start here. Anything else goes through AutoTokenizer.
 """
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+BACKEND = "TokenizersBackend"
+
+
+def _names_backend(source: Path | str) -> bool:
+    """A local Llama directory whose tokenizer config names the backend class, no code."""
+    directory = Path(source)
+    try:
+        settings = json.loads((directory / "tokenizer_config.json").read_text())
+        model = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        settings.get("tokenizer_class") == BACKEND
+        and "auto_map" not in settings
+        and model.get("model_type") == "llama"
+        and "auto_map" not in model
+    )
 
 
 @lru_cache(maxsize=8)
@@ -18,6 +43,10 @@ def load_tokenizer(
 ) -> Any:
     """transformers' tokenizer of a model directory or Hub id (OSError where it cannot);
     callers share the object and must not change it."""
+    if _names_backend(source):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(source, local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from eagle2_core.model_config import load_model_config
 from eagle2_core.registry import ModelLoadError, resolve_model
 from eagle2_core.tokenizer import load_tokenizer
 from producer.jobs import JobError, one_line
@@ -15,12 +16,10 @@ ContextCheck = tuple[TokenCounter, int]
 
 
 def _tokenizer_and_config(model: str) -> tuple[Any, Any]:
-    from transformers import AutoConfig
-
     try:
         source = resolve_model(model)
         tokenizer = load_tokenizer(source)
-        config = AutoConfig.from_pretrained(source, local_files_only=True)
+        config = load_model_config(source)
     except (ModelLoadError, OSError, ValueError) as exc:
         raise JobError(f"cannot load the tokenizer of model {model!r}: {one_line(exc)}") from exc
     return tokenizer, config
