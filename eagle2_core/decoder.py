@@ -152,13 +152,19 @@ class BatchDecoder:
         lasts = target.lm_head(torch.stack([last for _, last, _ in prefilled]))
         prompt_tokens = sum(len(j.prompt_ids) for j in joining)
         seconds = time.perf_counter() - start
+        drafting = []
         for (join, _, features), logits in zip(prefilled, lasts, strict=True):
             join.stats.total_ms += seconds * 1000 * len(join.prompt_ids) / prompt_tokens
-            self._start(join, features, logits)
+            next_tokens = self._start(join, features, logits)
+            if join.dynamic:
+                drafting.append((join, features, next_tokens))
+        if drafting:
+            self._join_dynamic(drafting)
         self._drop_finished()
 
-    def _start(self, join: Joining, features: torch.Tensor, logits: torch.Tensor) -> None:
-        """A prefilled prompt becomes a row: its first token from the prompt's last logits."""
+    def _start(self, join: Joining, features: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """A prefilled prompt becomes a row: its first token from the prompt's last logits.
+        Returns its committed tokens after the first (the prompt's, then that one)."""
         start = time.perf_counter()
         target, config, controls = self.target, join.config, join.controls
         uniforms = Uniforms(join.generator)
@@ -185,10 +191,9 @@ class BatchDecoder:
         if config.logprobs:
             seq.logprobs = token_logprobs(logits[None], next_tokens[-1:], config.top_logprobs)
         seq.finish = finish_reason(seq, target)
-        if join.dynamic:
-            self._join_dynamic(features, next_tokens)
         self.rows.append(seq)
         seq.stats.total_ms += (time.perf_counter() - start) * 1000
+        return next_tokens
 
     def _prefill(self, joining: list[Joining]) -> list[tuple[Joining, torch.Tensor, torch.Tensor]]:
         """New cache rows holding the joining prompts, in the order they were added to the
@@ -274,16 +279,22 @@ class BatchDecoder:
             self.dynamic = self.fresh = None
         return dynamic
 
-    def _join_dynamic(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """The new row's draft cache takes all but its last committed token; that one is
-        its first round's fresh token."""
-        self.dynamic.add(features, next_tokens)
-        row = Fresh(
-            features[None, -1:],
-            next_tokens[None, -1:],
-            torch.ones(1, dtype=torch.long, device=features.device),
+    def _join_dynamic(self, joins: list[tuple[Joining, torch.Tensor, torch.Tensor]]) -> None:
+        """The new rows' (join, features, next_tokens) draft caches take all but their last
+        committed token, in padded groups like the target's prefill; that one is each row's
+        first round's fresh token. Its time goes to the rows by prompt length."""
+        start = time.perf_counter()
+        self.dynamic.add_rows([(f, t) for _, f, t in joins], PREFILL_TOKENS)
+        rows = Fresh(
+            torch.stack([f[-1:] for _, f, _ in joins]),
+            torch.stack([t[-1:] for _, _, t in joins]),
+            torch.ones(len(joins), dtype=torch.long, device=joins[0][1].device),
         )
-        self.fresh = row if self.fresh is None else cat_fresh(self.fresh, row)
+        self.fresh = rows if self.fresh is None else cat_fresh(self.fresh, rows)
+        ms = (time.perf_counter() - start) * 1000
+        tokens = sum(len(t) for _, _, t in joins)
+        for join, _, t in joins:
+            join.stats.total_ms += ms * len(t) / tokens
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Hashable, Generation]]:

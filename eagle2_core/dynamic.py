@@ -79,16 +79,46 @@ class DynamicDrafter:
     def rows(self) -> int:
         return self.kv.rows
 
-    @torch.inference_mode()
     def add(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """A row joins after its prefill: cache the head over all but its last committed
         token (its first round drafts from that one, like every later round)."""
-        n = len(next_tokens) - 1
-        keys, values = self.kv.add_row(n)
-        if n > 0:
-            positions = torch.arange(n, device=features.device)[None]
-            inputs = self.head.lift(features[None, :n])
-            self.head.step(next_tokens[None, :n], inputs, positions, keys, values, 0, None)
+        self.add_rows([(features, next_tokens)], budget=0)
+
+    @torch.inference_mode()
+    def add_rows(self, joins: list[tuple[torch.Tensor, torch.Tensor]], budget: int) -> None:
+        """Rows join in this order, each as `add` takes it (features, next_tokens), in
+        padded groups of consecutive rows of up to `budget` slots: a head forward of a few
+        hundred tokens instead of one per row (80 MT-bench rows one at a time took 1.25 s
+        in fp32 and 0.35-0.47 s in bf16 on the 2-core EPYC). The cache grows once for all
+        of them: growing it group by group zero-filled and copied it ~20 times."""
+        self.kv.reserve(self.rows + len(joins), max(len(t) - 1 for _, t in joins))
+        first = 0
+        while first < len(joins):
+            end, width = first + 1, len(joins[first][1]) - 1
+            while end < len(joins):
+                wider = max(width, len(joins[end][1]) - 1)
+                if wider * (end - first + 1) > budget:
+                    break
+                end, width = end + 1, wider
+            self._add_group(joins[first:end], width)
+            first = end
+
+    def _add_group(self, joins: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> None:
+        """One head forward over rows padded to `width` (causal: a real token never sees
+        the padding after it, and the padding's slots stay holes)."""
+        lengths = [len(tokens) - 1 for _, tokens in joins]
+        keys, values = self.kv.add_rows(lengths, width)
+        if width == 0:
+            return
+        features = joins[0][0]
+        b, device = len(joins), features.device
+        tokens = torch.zeros(b, width, dtype=torch.long, device=device)
+        inputs = features.new_zeros(b, width, features.shape[-1])
+        for row, ((row_features, row_tokens), n) in enumerate(zip(joins, lengths, strict=True)):
+            tokens[row, :n] = row_tokens[:n]
+            inputs[row, :n] = row_features[:n]
+        positions = torch.arange(width, device=device)[None].expand(b, width)
+        self.head.step(tokens, self.head.lift(inputs), positions, keys, values, 0, None)
 
     @torch.inference_mode()
     def remove_rows(self, rows: list[int]) -> list[int]:

@@ -73,26 +73,32 @@ class BatchKV:
         rows = rows if rows is not None else slice(0, self.rows)
         return self.keys[:, rows], self.values[:, rows]
 
-    def _reserve(self, rows: int, slots: int) -> None:
+    def reserve(self, rows: int, slots: int) -> None:
         """Make room for `rows` rows of `slots` slots (doubling), keeping what is stored."""
         self.keys, self.values = _grown(self.keys, self.values, rows, slots, self.rows, self.slots)
 
     def reserve_new(self, n: int) -> int:
         """Room for n new slots per row after the current ones; returns where they start."""
-        self._reserve(self.rows, self.slots + n)
+        self.reserve(self.rows, self.slots + n)
         return self.slots
 
     def add_row(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A new last row whose first `length` slots the caller fills (a prefill): returns
         that row's key and value views [layers, 1, kv_heads, slots, head_dim]."""
-        slots = max(self.slots, length)
-        self._reserve(self.rows + 1, slots)
-        row = torch.zeros(1, slots, dtype=torch.bool, device=self.device)
-        row[0, :length] = True
-        grown = torch.zeros(self.rows, slots, dtype=torch.bool, device=self.device)
+        return self.add_rows([length], length)
+
+    def add_rows(self, lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New last rows, one per length, whose first `width` slots the caller writes (a
+        prefill of prompts padded to `width`); row i keeps its first lengths[i] entries,
+        the rest are holes. Returns the rows' key and value views."""
+        first, slots = self.rows, max(self.slots, width)
+        self.reserve(first + len(lengths), slots)
+        kept = torch.tensor(lengths, device=self.device)[:, None]
+        new = torch.arange(slots, device=self.device)[None] < kept
+        grown = torch.zeros(first, slots, dtype=torch.bool, device=self.device)
         grown[:, : self.slots] = self.valid
-        self.valid = torch.cat([grown, row])
-        return self.layer_views(slice(self.rows - 1, self.rows))
+        self.valid = torch.cat([grown, new])
+        return self.layer_views(slice(first, self.rows))
 
     def copy_prefix(self, source: int, row: int, length: int) -> None:
         """Row `row`'s first `length` slots take row `source`'s entries there (a shared

@@ -25,8 +25,9 @@ def prefill(target, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return features[0], torch.cat([ids[1:], root[None]])
 
 
+@pytest.mark.parametrize("budget", [None, 20, 64])  # rows join one by one, or padded groups
 @pytest.mark.parametrize("vocab_size", [None, 40])
-def test_batched_trees_equal_reference_trees_over_rounds(vocab_size):
+def test_batched_trees_equal_reference_trees_over_rounds(vocab_size, budget):
     target = tiny_target(eos=None)
     head = tiny_head(target)
     vocab = None
@@ -40,9 +41,13 @@ def test_batched_trees_equal_reference_trees_over_rounds(vocab_size):
         features, next_tokens = prefill(target, prompt)
         drafter = ReferenceDrafter(head, target, 4, 3, None if vocab is None else vocab.ids)
         alone.append(drafter)
-        batch.add(features, next_tokens)
+        if budget is None:
+            batch.add(features, next_tokens)
         rows.append((features, next_tokens, len(prompt)))
         fresh.append((features[-1:], next_tokens[-1:]))
+    if budget is not None:
+        batch.add_rows([(f, t) for f, t, _ in rows], budget)
+    assert batch.kv.lengths.tolist() == [0, 16, 5]
     g = torch.Generator().manual_seed(0)
     for round_ in range(3):
         budgets = [12, 2, 7] if round_ else [12, 1, 7]

@@ -67,6 +67,18 @@ def test_removed_rows_are_filled_from_the_end():
     assert contents(kv) == [[0, 0.5], [3, 3.5], [2, 2.5], [9, 9.5, 9.75]]
 
 
+def test_rows_added_together_keep_their_own_lengths_and_the_padding_is_holes():
+    kv = new_kv()
+    add(kv, [1, 1.5])
+    keys, values = kv.add_rows([3, 0, 1], width=3)  # three prompts padded to 3 slots
+    assert keys.shape[1] == 3
+    write(keys, values, 0, [[2, 2.5, 2.75], [-9, -9, -9], [4, -9, -9]])
+    assert contents(kv) == [[1, 1.5], [2, 2.5, 2.75], [], [4]]
+    assert kv.lengths.tolist() == [2, 3, 0, 1]
+    add(kv, [5])  # one more after them, as add_row writes it
+    assert contents(kv)[-1] == [5]
+
+
 def test_storage_grows_and_keeps_what_it_holds():
     kv = new_kv()
     add(kv, [1.0] * 70)
