@@ -101,29 +101,55 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// fp32, head size a multiple of 16 (AVX2 and FMA): 8 slots' scores at a time, 4 query
-// rows x 16 outputs kept in registers for the weighted sum.
+// The weighted sum of the values for query rows r0.. (ROWS of them) and outputs c0..c0+16:
+// sums kept in registers, only as many rows as there are.
+template <int ROWS>
+static inline void weigh_fp32(const Item<float>& it, const float* scores, int64_t stride,
+                              const float* norm, int64_t r0, int64_t c0) {
+  __m256 sums[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+  const float* p0 = scores + r0 * stride;
+  for (int64_t s = 0; s < it.S; ++s) {
+    const float* vr = it.values + s * it.vs + c0;
+    const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 p = _mm256_broadcast_ss(p0 + r * stride + s);
+      sums[r][0] = _mm256_fmadd_ps(p, v0, sums[r][0]);
+      sums[r][1] = _mm256_fmadd_ps(p, v1, sums[r][1]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const __m256 scale = _mm256_set1_ps(norm[r0 + r]);
+    _mm256_storeu_ps(it.out[r0 + r] + c0, _mm256_mul_ps(sums[r][0], scale));
+    _mm256_storeu_ps(it.out[r0 + r] + c0 + 8, _mm256_mul_ps(sums[r][1], scale));
+  }
+}
+
+// fp32, head size a multiple of 16 (AVX2 and FMA): 8 slots' scores at a time, up to 4
+// query rows x 16 outputs kept in registers for the weighted sum.
 static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
   const int64_t S = it.S, D = it.D;
   const __m256 neg = _mm256_set1_ps(-INFINITY);
   float norm[16];
-  for (int64_t r = 0; r < it.R; ++r) {
-    float* sr = scores + r * stride;
-    const bool* mr = it.visible[r];
-    const float* q = it.q[r];
-    __m256 peak = neg;
-    for (int64_t s0 = 0; s0 < S; s0 += 8) {
-      const int64_t n = std::min<int64_t>(8, S - s0);
-      // The keys four blocks on and this block's values, ahead of their use: an 80-row
-      // fp32 round went from 188 to 166 ms on the AMX Xeon (2026-12-03).
-      if (r == 0)
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t d = 0; d < D; d += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(it.keys + (s0 + 32 + j) * it.ks + d),
-                         _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
-                         _MM_HINT_T0);
-          }
+  __m256 peaks[16];
+  for (int64_t r = 0; r < it.R; ++r) peaks[r] = neg;
+  // Block by block, every query row: a block's keys are read from memory once and stay in
+  // L1 for the other rows (row by row, a head's keys went through L2 once a row).
+  for (int64_t s0 = 0; s0 < S; s0 += 8) {
+    const int64_t n = std::min<int64_t>(8, S - s0);
+    // The keys four blocks on and this block's values, ahead of their use: an 80-row
+    // fp32 round went from 188 to 166 ms on the AMX Xeon (2026-12-03).
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < D; d += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(it.keys + (s0 + 32 + j) * it.ks + d),
+                     _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
+                     _MM_HINT_T0);
+      }
+    for (int64_t r = 0; r < it.R; ++r) {
+      const bool* mr = it.visible[r];
+      const float* q = it.q[r];
       __m256 dots[8];
       for (int j = 0; j < 8; ++j) {
         dots[j] = _mm256_setzero_ps();
@@ -136,11 +162,14 @@ static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
       _mm256_store_ps(x, _mm256_mul_ps(sum8(dots), _mm256_set1_ps(it.scale)));
       for (int j = 0; j < 8; ++j) x[j] = j < n && mr[s0 + j] ? x[j] : -INFINITY;
       const __m256 xv = _mm256_load_ps(x);
-      _mm256_storeu_ps(sr + s0, xv);
-      peak = _mm256_max_ps(peak, xv);
+      _mm256_storeu_ps(scores + r * stride + s0, xv);
+      peaks[r] = _mm256_max_ps(peaks[r], xv);
     }
+  }
+  for (int64_t r = 0; r < it.R; ++r) {
+    float* sr = scores + r * stride;
     alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, peak);
+    _mm256_store_ps(lanes, peaks[r]);
     const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
     __m256 total = _mm256_setzero_ps();
     for (int64_t s0 = 0; s0 < S; s0 += 8) {
@@ -155,27 +184,15 @@ static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
     for (int j = 0; j < 8; ++j) sum += lanes[j];
     norm[r] = 1.f / sum;
   }
-  for (int64_t r0 = 0; r0 < it.R; r0 += 4)
+  for (int64_t r0 = 0; r0 < it.R; r0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, it.R - r0);  // 3 for one token of 3 heads
     for (int64_t c0 = 0; c0 < D; c0 += 16) {
-      __m256 sums[4][2];
-      for (int r = 0; r < 4; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
-      const float* p0 = scores + r0 * stride;  // rows past R are zeros
-      for (int64_t s = 0; s < S; ++s) {
-        const float* vr = it.values + s * it.vs + c0;
-        const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          const __m256 p = _mm256_broadcast_ss(p0 + r * stride + s);
-          sums[r][0] = _mm256_fmadd_ps(p, v0, sums[r][0]);
-          sums[r][1] = _mm256_fmadd_ps(p, v1, sums[r][1]);
-        }
-      }
-      for (int64_t r = 0; r < std::min<int64_t>(4, it.R - r0); ++r) {
-        const __m256 scale = _mm256_set1_ps(norm[r0 + r]);
-        _mm256_storeu_ps(it.out[r0 + r] + c0, _mm256_mul_ps(sums[r][0], scale));
-        _mm256_storeu_ps(it.out[r0 + r] + c0 + 8, _mm256_mul_ps(sums[r][1], scale));
-      }
+      if (rows == 4) weigh_fp32<4>(it, scores, stride, norm, r0, c0);
+      else if (rows == 3) weigh_fp32<3>(it, scores, stride, norm, r0, c0);
+      else if (rows == 2) weigh_fp32<2>(it, scores, stride, norm, r0, c0);
+      else weigh_fp32<1>(it, scores, stride, norm, r0, c0);
     }
+  }
 }
 #endif
 
@@ -222,27 +239,60 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// As weigh_fp32, for bf16 values (widened to fp32) and outputs 16 * c0.. (64 of them).
+template <int ROWS>
+static inline void weigh_bf16(const Item<uint16_t>& it, const float* scores, int64_t stride,
+                              const float* norm, int64_t r0, int64_t c0) {
+  __m512 sums[ROWS][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_ps();
+  const float* p0 = scores + r0 * stride;
+  for (int64_t s = 0; s < it.S; ++s) {
+    const uint16_t* vr = it.values + s * it.vs + 16 * c0;
+    __m512 v[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) v[c] = widen16(vr + 16 * c);
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 p = _mm512_set1_ps(p0[r * stride + s]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_fmadd_ps(p, v[c], sums[r][c]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512 scale = _mm512_set1_ps(norm[r0 + r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(it.out[r0 + r] + 16 * (c0 + c)),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[r][c], scale)));
+  }
+}
+
 // AVX512-BF16, head size a multiple of 64: bf16 pairs multiplied into fp32 sums
-// (vdpbf16ps), 16 slots' scores at a time, 4 query rows x 64 outputs kept in registers.
+// (vdpbf16ps), 16 slots' scores at a time, up to 4 query rows x 64 outputs kept in
+// registers.
 static void attend_vector(const Item<uint16_t>& it, float* scores, int64_t stride) {
   const int64_t S = it.S, D = it.D;
 
   const __m512 neg = _mm512_set1_ps(-INFINITY);
   float norm[16];
-  for (int64_t r = 0; r < it.R; ++r) {
-    float* sr = scores + r * stride;
-    const bool* mr = it.visible[r];
-    __m512 peak = neg;
-    for (int64_t s0 = 0; s0 < S; s0 += 16) {
-      const int64_t n = std::min<int64_t>(16, S - s0);
-      const uint16_t* k0 = it.keys + s0 * it.ks;
-      if (r == 0)  // the keys two blocks on and this block's values, ahead of their use
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t d = 0; d < D; d += 32) {
-            _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + j) * it.ks + d), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
-                         _MM_HINT_T0);
-          }
+  __m512 peaks[16];
+  for (int64_t r = 0; r < it.R; ++r) peaks[r] = neg;
+  // Block by block, every query row (as attend_fp32: a block's keys stay in L1).
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    const int64_t n = std::min<int64_t>(16, S - s0);
+    const uint16_t* k0 = it.keys + s0 * it.ks;
+    // the keys two blocks on and this block's values, ahead of their use
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < D; d += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + j) * it.ks + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
+                     _MM_HINT_T0);
+      }
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t r = 0; r < it.R; ++r) {
       __m512 dots[16];
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) dots[j] = _mm512_setzero_ps();
@@ -254,15 +304,17 @@ static void attend_vector(const Item<uint16_t>& it, float* scores, int64_t strid
             dots[j] = _mm512_dpbf16_ps(
                 dots[j], (__m512bh)_mm512_loadu_si512(k0 + j * it.ks + 32 * c), qc);
       }
-      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
-      const __m128i seen = _mm_maskz_loadu_epi8(lanes, mr + s0);
+      const __m128i seen = _mm_maskz_loadu_epi8(lanes, it.visible[r] + s0);
       const __mmask16 vis = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(seen),
                                                    _mm512_set1_epi32(0xff));
       const __m512 x = _mm512_mask_mul_ps(neg, vis, sum16(dots), _mm512_set1_ps(it.scale));
-      _mm512_storeu_ps(sr + s0, x);
-      peak = _mm512_max_ps(peak, x);
+      _mm512_storeu_ps(scores + r * stride + s0, x);
+      peaks[r] = _mm512_max_ps(peaks[r], x);
     }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+  }
+  for (int64_t r = 0; r < it.R; ++r) {
+    float* sr = scores + r * stride;
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peaks[r]));
     __m512 total = _mm512_setzero_ps();
     for (int64_t s0 = 0; s0 < S; s0 += 16) {
       const __m512 x = _mm512_loadu_ps(sr + s0);
@@ -273,35 +325,15 @@ static void attend_vector(const Item<uint16_t>& it, float* scores, int64_t strid
     }
     norm[r] = 1.f / _mm512_reduce_add_ps(total);
   }
-  for (int64_t r0 = 0; r0 < it.R; r0 += 4)
+  for (int64_t r0 = 0; r0 < it.R; r0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, it.R - r0);  // 3 for one token of 3 heads
     for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
-      __m512 sums[4][4];
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r)
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_ps();
-      const float* p0 = scores + r0 * stride;  // rows past R are zeros
-      for (int64_t s = 0; s < S; ++s) {
-        const uint16_t* vr = it.values + s * it.vs + 16 * c0;
-        __m512 v[4];
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) v[c] = widen16(vr + 16 * c);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) {
-          const __m512 p = _mm512_set1_ps(p0[r * stride + s]);
-#pragma GCC unroll 4
-          for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_fmadd_ps(p, v[c], sums[r][c]);
-        }
-      }
-      for (int64_t r = 0; r < std::min<int64_t>(4, it.R - r0); ++r) {
-        const __m512 scale = _mm512_set1_ps(norm[r0 + r]);
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c)
-          _mm256_storeu_si256(
-              reinterpret_cast<__m256i*>(it.out[r0 + r] + 16 * (c0 + c)),
-              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[r][c], scale)));
-      }
+      if (rows == 4) weigh_bf16<4>(it, scores, stride, norm, r0, c0);
+      else if (rows == 3) weigh_bf16<3>(it, scores, stride, norm, r0, c0);
+      else if (rows == 2) weigh_bf16<2>(it, scores, stride, norm, r0, c0);
+      else weigh_bf16<1>(it, scores, stride, norm, r0, c0);
     }
+  }
 }
 #endif
 
@@ -353,8 +385,6 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
           if (it.visible[r][s]) { it.S = s + 1; break; }
       }
       if (vector) {
-        for (int64_t r = it.R; r < (it.R + 3) / 4 * 4; ++r)  // rows past R weigh nothing
-          std::fill(scores.begin() + r * stride, scores.begin() + r * stride + it.S, 0.f);
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same<T, uint16_t>::value) attend_vector(it, scores.data(), stride);
 #endif
