@@ -79,18 +79,15 @@ class DynamicDrafter:
     def rows(self) -> int:
         return self.kv.rows
 
-    def add(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """A row joins after its prefill: cache the head over all but its last committed
-        token (its first round drafts from that one, like every later round)."""
-        self.add_rows([(features, next_tokens)], budget=0)
-
     @torch.inference_mode()
     def add_rows(self, joins: list[tuple[torch.Tensor, torch.Tensor]], budget: int) -> None:
-        """Rows join in this order, each as `add` takes it (features, next_tokens), in
-        padded groups of consecutive rows of up to `budget` slots: a head forward of a few
-        hundred tokens instead of one per row (80 MT-bench rows one at a time took 1.25 s
-        in fp32 and 0.35-0.47 s in bf16 on the 2-core EPYC). The cache grows once for all
-        of them: growing it group by group zero-filled and copied it ~20 times."""
+        """Rows join after their prefill, in this order: each row's (features,
+        next_tokens) caches the head over all but its last committed token (its first
+        round drafts from that one, like every later round). In padded groups of
+        consecutive rows of up to `budget` slots: a head forward of a few hundred tokens
+        instead of one per row (80 MT-bench rows one at a time took 1.25 s in fp32 and
+        0.35-0.47 s in bf16 on the 2-core EPYC). The cache grows once for all of them:
+        growing it group by group zero-filled and copied it ~20 times."""
         self.kv.reserve(self.rows + len(joins), max(len(t) - 1 for _, t in joins))
         first = 0
         while first < len(joins):

@@ -186,7 +186,7 @@ def test_the_draft_proposes_what_the_processed_target_allows():
     prompt = prompts(96, lengths=(9,))[0]
     features, next_tokens = prefill(target, prompt)
     drafter = DynamicDrafter(lean, depth=4)
-    drafter.add(features, next_tokens)
+    drafter.add_rows([(features, next_tokens)], budget=0)
     config = DecodeConfig(logit_bias=((1, 100.0),), min_tokens=3)
     controls = RowControls(config, prompt, target)
     controls.commit([int(next_tokens[-1])])  # the root: one token generated

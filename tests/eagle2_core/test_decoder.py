@@ -55,15 +55,22 @@ def test_drafting_pauses_where_it_cannot_pay_and_outputs_stay_exact(monkeypatch)
     assert rounds == 59 and len(calls) <= 1 + rounds // MAX_REST + 5  # 1 + 1 + 2 + 4 + 8 + 16..
 
 
-def test_a_batch_stops_drafting_where_verifying_more_nodes_cannot_pay(monkeypatch):
-    """Each extra node costs the verify forward five plain steps: after a second drafted
-    round that does not pay (two drafts), the batch stops drafting for good, its rows go
-    on plain and exact, and a batch that starts after it empties drafts again."""
+def dear_nodes(monkeypatch):
+    """A tiny engine whose extra nodes cost the verify forward five plain steps each, its
+    draft calls counted, and two prompts."""
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
     engine._costs = device_costs(verify_per_node_ms=50.0, draft_ms=40.0)
     calls = count_calls(monkeypatch, "draft")
     first, second = prompts(96, lengths=(7, 9))
+    return target, engine, calls, first, second
+
+
+def test_a_batch_stops_drafting_where_verifying_more_nodes_cannot_pay(monkeypatch):
+    """Each extra node costs the verify forward five plain steps: after a second drafted
+    round that does not pay (two drafts), the batch stops drafting for good, its rows go
+    on plain and exact, and a batch that starts after it empties drafts again."""
+    target, engine, calls, first, second = dear_nodes(monkeypatch)
     decoder = BatchDecoder(engine, batch_size=1)
     decoder.add("first", first, DecodeConfig(max_new_tokens=100))
     done = []
@@ -81,16 +88,12 @@ def test_a_batch_stops_drafting_where_verifying_more_nodes_cannot_pay(monkeypatc
 
 
 def test_rows_joining_a_batch_that_stopped_drafting_skip_the_head(monkeypatch):
-    target = tiny_target(eos=None)
-    engine = Engine(target, tiny_head(target))
-    engine._costs = device_costs(verify_per_node_ms=50.0, draft_ms=40.0)
-    calls = count_calls(monkeypatch, "draft")
-    first, second = prompts(96, lengths=(7, 9))
+    target, engine, calls, first, second = dear_nodes(monkeypatch)
     decoder = BatchDecoder(engine, batch_size=2)
     decoder.add("first", first, DecodeConfig(max_new_tokens=60))
     while not decoder.retired:
         decoder.step()
-    added = count_calls(monkeypatch, "add")
+    added = count_calls(monkeypatch, "add_rows")
     decoder.add("second", second, DecodeConfig(max_new_tokens=20))
     outputs = {}
     while decoder.active:

@@ -42,7 +42,7 @@ def test_batched_trees_equal_reference_trees_over_rounds(vocab_size, budget):
         drafter = ReferenceDrafter(head, target, 4, 3, None if vocab is None else vocab.ids)
         alone.append(drafter)
         if budget is None:
-            batch.add(features, next_tokens)
+            batch.add_rows([(features, next_tokens)], budget=0)
         rows.append((features, next_tokens, len(prompt)))
         fresh.append((features[-1:], next_tokens[-1:]))
     if budget is not None:

@@ -164,7 +164,7 @@ def test_the_draft_never_proposes_a_token_the_grammar_forbids_on_its_branch(tiny
     next_tokens[-1] = root
     controls.commit([root])
     drafter = DynamicDrafter(lean, depth=5)
-    drafter.add(features, next_tokens)
+    drafter.add_rows([(features, next_tokens)], budget=0)
     fresh = Fresh(features[None, -1:], next_tokens[None, -1:], torch.ones(1, dtype=torch.long))
     adjust = draft_adjust([controls], lean.token_ids, target.vocab_size)
     pool, _ = drafter.draft(fresh, torch.tensor([len(prompt)]), FixedPlan(4, 5), adjust)

@@ -10,23 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_model
 
 from eagle2_core.llama import forward
 from eagle2_core.models import Target, load_target, read_weights
-from tests.eagle2_core.tiny import tiny_target
-
-
-def save(target: Target, directory: Path, deduplicate: bool = False) -> Path:
-    """The model as transformers saves it, or (deduplicate) as gguf.py does: a tied table
-    stored once, under one of its two names."""
-    model = target.model
-    model.save_pretrained(directory)
-    if deduplicate:
-        (directory / "model.safetensors").unlink()
-        save_model(model, str(directory / "model.safetensors"))
-    target.tokenizer.save_pretrained(directory)
-    return directory
+from tests.eagle2_core.tiny import save_target, tiny_target
 
 
 def logits(target: Target, ids: torch.Tensor) -> torch.Tensor:
@@ -44,7 +31,7 @@ def test_loaded_from_files_computes_what_the_model_does(
 ) -> None:
     built = tiny_target(seed=3, layers=3, tied=tied)
     assert (built.lm_weight.data_ptr() == built.lean.embed.data_ptr()) == tied
-    directory = save(built, tmp_path / "model", deduplicate)
+    directory = save_target(built, tmp_path / "model", deduplicate)
     stored = read_weights(directory)
     assert stored is not None
     loaded = load_target(str(directory))
@@ -58,7 +45,7 @@ def test_loaded_from_files_computes_what_the_model_does(
 
 
 def test_bf16_load_converts_every_weight(tmp_path: Path) -> None:
-    directory = save(tiny_target(seed=4), tmp_path / "model")
+    directory = save_target(tiny_target(seed=4), tmp_path / "model")
     loaded = load_target(str(directory), dtype=torch.bfloat16)
     assert loaded.dtype == torch.bfloat16
     assert loaded.lean.embed.dtype == loaded.lean.norm.dtype == torch.bfloat16
@@ -80,7 +67,7 @@ def test_sharded_checkpoints_load_every_shard(tmp_path: Path) -> None:
 def test_loading_imports_no_transformers_modeling_code(tmp_path: Path) -> None:
     """Importing transformers' modeling stack took ~1.8 s of every command's start, and
     its Llama config module (through type_validators) ~0.7 s more."""
-    directory = save(tiny_target(seed=6), tmp_path / "model")
+    directory = save_target(tiny_target(seed=6), tmp_path / "model")
     code = (
         "import sys\n"
         "from eagle2_core.engine import load_engine\n"

@@ -12,16 +12,13 @@ from transformers import AutoTokenizer
 
 from eagle2_core.registry import encode_chat, resolve_model
 from eagle2_core.tokenizer import load_tokenizer
-from tests.eagle2_core.tiny import tiny_target
+from tests.eagle2_core.tiny import save_target, tiny_target
 
 ROOT = Path(__file__).parents[2]
 
 
 def saved_tiny(directory: Path) -> Path:
-    target = tiny_target(seed=7)
-    target.model.save_pretrained(directory)
-    target.tokenizer.save_pretrained(directory)
-    return directory
+    return save_target(tiny_target(seed=7), directory)
 
 
 def same_tokenizer(ours, theirs) -> None:

@@ -7,8 +7,10 @@ identity tests that way); the default is the CPU.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -76,6 +78,18 @@ def tiny_target(
     model.generation_config.eos_token_id = eos
     tokenizer = byte_tokenizer() if byte_level else tiny_tokenizer(vocab_size, eos)
     return target_from_model(model, tokenizer, "tiny-llama")
+
+
+def save_target(target: Target, directory: Path, deduplicate: bool = False) -> Path:
+    """The model and tokenizer as transformers saves them, or (deduplicate) as gguf.py
+    does: a tied table stored once, under one of its two names."""
+    model = target.model
+    model.save_pretrained(directory)
+    if deduplicate:
+        (directory / "model.safetensors").unlink()
+        save_model(model, str(directory / "model.safetensors"))
+    target.tokenizer.save_pretrained(directory)
+    return directory
 
 
 def tiny_head(target: Target, seed: int = 1) -> DraftHead:
