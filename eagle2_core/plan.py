@@ -14,9 +14,9 @@ planner picks, for the whole batch (every row shares one verify forward):
 Confidence is calibrated online (realised accepted drafts / predicted, a running ratio),
 so an over- or under-confident head, sampling, or a head that knows nothing all get sized by
 what they actually achieve. A round whose best tree, drafting included, does not beat
-plain decoding's rate tells the decoder to pause drafting, and a second one in a row that
-would not beat it even with drafting free, to stop drafting for the rest of the batch
-(decoder.py). A fixed `total_tokens` bypasses all of this.
+plain decoding's rate tells the decoder to pause drafting, and one that would not beat it
+even with drafting free, at the end of the longest pause, to stop drafting for the rest
+of the batch (decoder.py). A fixed `total_tokens` bypasses all of this.
 """
 
 from __future__ import annotations

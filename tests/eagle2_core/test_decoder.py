@@ -67,24 +67,24 @@ def dear_nodes(monkeypatch):
 
 
 def test_a_batch_stops_drafting_where_verifying_more_nodes_cannot_pay(monkeypatch):
-    """Each extra node costs the verify forward five plain steps: after a second drafted
-    round that does not pay (two drafts), the batch stops drafting for good, its rows go
-    on plain and exact, and a batch that starts after it empties drafts again."""
+    """Each extra node costs the verify forward five plain steps: after the longest pause
+    the batch stops drafting for good (1 + 1 + 2 + 4 + 8 + 16 rounds, six drafts), its
+    rows go on plain and exact, and a batch that starts after it empties drafts again."""
     target, engine, calls, first, second = dear_nodes(monkeypatch)
     decoder = BatchDecoder(engine, batch_size=1)
     decoder.add("first", first, DecodeConfig(max_new_tokens=100))
     done = []
     while not done:
         done = decoder.step()
-        if len(calls) < 2:
+        if len(calls) < 6:
             assert not decoder.retired
-    assert decoder.retired and decoder.dynamic is None and len(calls) == 2
+    assert decoder.retired and decoder.dynamic is None and len(calls) == 6
     assert done[0][1].token_ids == hf_greedy(target, first, 100)
     decoder.add("second", second, DecodeConfig(max_new_tokens=3))
     assert not decoder.retired and decoder.dynamic is not None
     while not decoder.step():
         pass
-    assert len(calls) == 3  # the new batch's first round drafted
+    assert len(calls) == 7  # the new batch's first round drafted
 
 
 def test_rows_joining_a_batch_that_stopped_drafting_skip_the_head(monkeypatch):
@@ -98,7 +98,7 @@ def test_rows_joining_a_batch_that_stopped_drafting_skip_the_head(monkeypatch):
     outputs = {}
     while decoder.active:
         outputs.update(decoder.step())
-    assert added == [] and len(calls) == 2
+    assert added == [] and len(calls) == 6
     assert outputs["second"].token_ids == hf_greedy(target, second, 20)
     assert outputs["first"].token_ids == hf_greedy(target, first, 60)
 
