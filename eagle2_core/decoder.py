@@ -28,7 +28,14 @@ from eagle2_core.llama import forward
 from eagle2_core.logprobs import TokenLogprob, path_logprobs, token_logprobs
 from eagle2_core.models import Target
 from eagle2_core.plan import MAX_NODES, Calibration, Planner
-from eagle2_core.sequence import Joining, Prefill, Sequence, completion, finish_reason
+from eagle2_core.sequence import (
+    Joining,
+    Prefill,
+    Sequence,
+    SharedPrefix,
+    completion,
+    finish_reason,
+)
 from eagle2_core.tree import TreeBatch, root_only, roots_only, select, stack
 from eagle2_core.verify import Accepted, Uniforms, accept, choose_token, draw, target_probs
 
@@ -38,6 +45,9 @@ MAX_REST = 16  # the longest pause from drafting when it does not pay
 # 256-512 (fp32 products run ~100 GFLOP/s at 100 rows, ~125 at 500); larger groups
 # pad more than they gain.
 PREFILL_TOKENS = 512
+# The fewest leading tokens that new prompts must share for their prefill to run them once
+# (a chat template's system prompt: 24 of SmolLM2's tokens).
+SHARED_PREFIX_MIN = 16
 
 
 class Speculator(Protocol):
@@ -82,6 +92,7 @@ class BatchDecoder:
         self.retired = False  # EAGLE-2 rows decode plain until the batch empties (_retire)
         self.joining: list[Joining] = []  # added, to be prefilled at the next step
         self.prefill: Prefill | None = None
+        self.shared: SharedPrefix | None = None  # leading tokens the last prompts shared
 
     @property
     def active(self) -> int:
@@ -220,11 +231,19 @@ class BatchDecoder:
                 seen.add(prompt)
                 firsts.append(join)
         firsts.sort(key=lambda j: len(j.prompt_ids), reverse=True)
+        shared = self._shared_prefix(firsts) if self.shares_prefill else None
+        sharing, whole = [], []
+        for join in firsts:
+            extends = shared is not None and _extends(join.prompt_ids, shared.ids)
+            (sharing if extends else whole).append(join)
         done: list[tuple[Joining, torch.Tensor, torch.Tensor]] = []
-        for group in _groups(firsts):
-            for join, last_hidden, features in zip(group, *self._prefill_group(group), strict=True):
-                held[tuple(join.prompt_ids)] = (len(self.rows) + len(done), last_hidden, features)
-                done.append((join, last_hidden, features))
+        for members, prefix in ((sharing, shared), (whole, None)):
+            for group in _groups(members, len(prefix.ids) if prefix is not None else 0):
+                prefilled = self._prefill_group(group, prefix)
+                for join, last_hidden, features in zip(group, *prefilled, strict=True):
+                    row = len(self.rows) + len(done)
+                    held[tuple(join.prompt_ids)] = (row, last_hidden, features)
+                    done.append((join, last_hidden, features))
         for join in copies:
             source, last_hidden, features = held[tuple(join.prompt_ids)]
             self.kv.add_row(len(join.prompt_ids))
@@ -235,22 +254,52 @@ class BatchDecoder:
         self.prefill = Prefill(newest.key, newest.prompt_ids, last_hidden, features)
         return done
 
-    def _prefill_group(self, group: list[Joining]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _prefill_group(
+        self, group: list[Joining], shared: SharedPrefix | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One target forward over prompts padded to the longest: new rows, one per prompt.
-        Causal attention keeps each real token from the padding after it."""
+        With a shared prefix, each row's first slots copy its cache and only the rest of
+        each prompt goes through the target. Causal attention keeps each real token from
+        the padding after it."""
         device = self.target.device
+        skip = len(shared.ids) if shared is not None else 0
         lengths = [len(j.prompt_ids) for j in group]
-        width = max(lengths)
+        width = max(lengths) - skip
         ids = torch.zeros(len(group), width, dtype=torch.long)
         for row, join in enumerate(group):
-            ids[row, : lengths[row]] = torch.tensor(join.prompt_ids)
-        keys, values = self.kv.add_rows(lengths, width)
-        positions = torch.arange(width, device=device)[None].expand(len(group), width)
-        hidden, features = self._forward(ids.to(device), positions, keys, values, 0, None)
+            ids[row, : lengths[row] - skip] = torch.tensor(join.prompt_ids[skip:])
+        keys, values = self.kv.add_rows(lengths, skip + width)
+        if shared is not None:
+            keys[:, :, :, :skip] = shared.keys
+            values[:, :, :, :skip] = shared.values
+        positions = torch.arange(skip, skip + width, device=device)[None].expand(len(group), width)
+        hidden, features = self._forward(ids.to(device), positions, keys, values, skip, None)
+        rest = [features[row, : n - skip] for row, n in enumerate(lengths)]
         return (
-            [hidden[row, n - 1] for row, n in enumerate(lengths)],
-            [features[row, :n] for row, n in enumerate(lengths)],
+            [hidden[row, n - skip - 1] for row, n in enumerate(lengths)],
+            rest if shared is None else [torch.cat([shared.features, f]) for f in rest],
         )
+
+    def _shared_prefix(self, firsts: list[Joining]) -> SharedPrefix | None:
+        """Leading tokens that new prompts share, run through the target once
+        (SharedPrefix): a new one where all of them share at least SHARED_PREFIX_MIN
+        tokens (more than the held one), else the one held from an earlier join if any of
+        them extends it. The prompts that extend it copy it; the rest are prefilled whole."""
+        prompts = [j.prompt_ids for j in firsts]
+        held = self.shared
+        if held is not None and not any(_extends(p, held.ids) for p in prompts):
+            held = None
+        length = common_length(prompts) if len(prompts) > 1 else 0
+        if length >= SHARED_PREFIX_MIN + (len(held.ids) if held is not None else 0):
+            ids = prompts[0][:length]
+            kv = self.target.kv()
+            keys, values = kv.add_rows([length], length)
+            positions = torch.arange(length, device=self.target.device)[None]
+            tokens = torch.tensor([ids], device=self.target.device)
+            _, features = self._forward(tokens, positions, keys, values, 0, None)
+            cached = (keys[:, :, :, :length], values[:, :, :, :length])
+            held = self.shared = SharedPrefix(ids, *cached, features[0])
+        return held
 
     def _check_kind(self, eagle2: bool, config: DecodeConfig) -> bool:
         """Whether a row of `config` drafts with the batch's EAGLE-2 head (eagle2: its mode
@@ -559,14 +608,31 @@ def _budget(config: DecodeConfig) -> int:
     return MAX_NODES if config.planned else config.total_tokens
 
 
-def _groups(joining: list[Joining]) -> list[list[Joining]]:
+def _groups(joining: list[Joining], skip: int = 0) -> list[list[Joining]]:
     """Consecutive prompts (longest first) in groups whose padded size, the first one's
-    length times their number, stays within PREFILL_TOKENS; a longer prompt goes alone."""
+    length less the `skip` tokens they share times their number, stays within
+    PREFILL_TOKENS; a longer prompt goes alone."""
     groups: list[list[Joining]] = []
     for join in joining:
         group = groups[-1] if groups else None
-        if group and len(group[0].prompt_ids) * (len(group) + 1) <= PREFILL_TOKENS:
+        if group and (len(group[0].prompt_ids) - skip) * (len(group) + 1) <= PREFILL_TOKENS:
             group.append(join)
         else:
             groups.append([join])
     return groups
+
+
+def _extends(prompt: list[int], prefix: list[int]) -> bool:
+    """Whether the prompt starts with the prefix and has at least one token after it."""
+    return len(prompt) > len(prefix) and prompt[: len(prefix)] == prefix
+
+
+def common_length(prompts: list[list[int]]) -> int:
+    """How many leading tokens all the prompts share, leaving each at least one of its own
+    (its last state starts its decoding)."""
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for n in range(limit):
+        if any(p[n] != first[n] for p in prompts):
+            return n
+    return limit

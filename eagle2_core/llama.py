@@ -277,14 +277,14 @@ def forward(
 
     keys, values [layers, B, kv_heads, S, D] (`BatchKV.layer_views`): the new entries go to
     slots start..start+T, or for a RaggedKV's RowStarts after each row's own entries.
-    mask: see `attend`.
+    mask: see `attend`; None = causal (each new token sees its row's slots up to its own).
     """
     x = F.embedding(ids, model.embed)
     angles = rope(model.rotary, x, positions)
     writes = Writes.of(start, ids.shape[0], ids.shape[1], ids.device)
     captured = {}
-    if mask is None and cpu_kernels.attends(x, ids.shape[1]):  # the kernel's causal mask, once
-        mask = writes.causal(writes.slots_of(*ids.shape))
+    if mask is None and (writes.span > ids.shape[1] or cpu_kernels.attends(x, ids.shape[1])):
+        mask = writes.causal(writes.slots_of(*ids.shape))  # after cached entries, or the kernel's
     norms = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
     x, h = add_rms_norm(x, None, model.layers[0].input_norm, model.eps)
     for index, (layer, following) in enumerate(zip(model.layers, norms, strict=True)):

@@ -62,6 +62,18 @@ class Prefill:
     features: torch.Tensor  # [T, F] what the draft head reads of the prompt
 
 
+@dataclass
+class SharedPrefix:
+    """Leading tokens that the prompts of a join share (a chat template's system prompt),
+    run through the target once: each new row's first slots copy its cache, and only the
+    rest of its prompt is prefilled. Kept for later joins whose prompts all extend it."""
+
+    ids: list[int]
+    keys: torch.Tensor  # [layers, 1, kv_heads, T, D]
+    values: torch.Tensor
+    features: torch.Tensor  # [T, F] what the draft head reads of them
+
+
 def decoded_text(seq: Sequence, target: Target) -> str:
     """The output as text; a stop_token_ids token that ended it is not part of it (vLLM's
     rule; the model's own end tokens are special and decode to nothing)."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eagle2_core.config import DecodeConfig
+from eagle2_core.dynamic import DynamicDrafter
 from eagle2_core.engine import BatchDecoder, Engine
 from eagle2_core.kv import RaggedKV
 from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
@@ -195,3 +196,65 @@ def test_a_wide_batch_in_chunks_and_resorted_equals_generate_alone(tiny, mode, m
     assert sorts  # rows were re-sorted on the way
     for i, prompt, config in items:
         assert got[i].token_ids == hf_greedy(target, prompt, config.max_new_tokens), i
+
+
+class OwnPrefill(BatchDecoder):
+    """Every prompt runs through the target whole: the baseline of prefix sharing."""
+
+    shares_prefill = False
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle2"])
+def test_prompts_sharing_a_prefix_run_it_once(tiny, mode, monkeypatch):
+    """Prompts that start alike (a chat template's system prompt): the shared tokens go
+    through the target once and every row copies them; prompts joining later that extend
+    them copy them again, and one that does not is prefilled whole. Every sequence decodes
+    what it does alone, and the draft head reads the same features as without sharing."""
+    target, engine = tiny
+    prefix = prompts(96, (40,), seed=3)[0]
+    tails = prompts(96, (1, 12, 30, 5, 2), seed=4)
+    first, later = [prefix + t for t in tails[:3]], [prefix + t for t in tails[3:]]
+    stranger = prompts(96, (25,), seed=5)[0]
+    config = DecodeConfig(mode=mode, max_new_tokens=12, total_tokens=6)
+    forwards, features = [], {}
+    original_forward = BatchDecoder._forward
+    monkeypatch.setattr(
+        BatchDecoder,
+        "_forward",
+        lambda self, ids, *args: (
+            forwards.append(tuple(ids.shape)) or original_forward(self, ids, *args)
+        ),
+    )
+    original_add = DynamicDrafter.add_rows
+
+    def capture(drafter, rows, budget):
+        for f, t in rows:
+            features.setdefault(drafter, []).append((len(t), f))
+        return original_add(drafter, rows, budget)
+
+    monkeypatch.setattr(DynamicDrafter, "add_rows", capture)
+    got, baseline = {}, {}
+    for decoder_type, out in ((BatchDecoder, got), (OwnPrefill, baseline)):
+        forwards.clear()
+        decoder = decoder_type(engine, batch_size=8)
+        for k, prompt in enumerate(first):
+            decoder.add(k, prompt, config)
+        out.update(decoder.step())
+        if decoder_type is BatchDecoder:
+            assert forwards[:2] == [(1, len(prefix)), (3, 30)]  # the prefix, then the tails
+        forwards.clear()
+        for k, prompt in enumerate([*later, stranger], start=len(first)):
+            decoder.add(k, prompt, config)
+        out.update(decoder.step())
+        if decoder_type is BatchDecoder:
+            assert forwards[:2] == [(2, 5), (1, len(stranger))]  # held prefix; stranger whole
+        while not decoder.idle:
+            out.update(decoder.step())
+    for k, prompt in enumerate([*first, *later, stranger]):
+        assert got[k].token_ids == hf_greedy(target, prompt, 12), k
+        assert baseline[k].token_ids == got[k].token_ids
+    if mode == "eagle2":
+        shared, own = features.values()
+        assert [n for n, _ in shared] == [n for n, _ in own]
+        for (_, a), (_, b) in zip(shared, own, strict=True):
+            torch.testing.assert_close(a, b)
