@@ -41,7 +41,7 @@ from eagle2_core.registry import cache_root
 
 log = logging.getLogger(__name__)
 
-COST_VERSION = 10  # bumped when the engine's kernels change what a forward costs
+COST_VERSION = 11  # bumped when the engine's kernels change what a forward costs
 STALE_DAYS = 14
 CONTEXT = 256  # context slots of the measured forwards
 LONG_CONTEXT = 1024  # second context, for key_ms
