@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -70,7 +73,7 @@ def test_unsupported_architectures_are_refused_by_name():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("dim", [16, 24, 64])  # vector paths: fp32 16 | D, bf16 64 | D
+@pytest.mark.parametrize("dim", [16, 24, 64, 128])  # vector: fp32 16 | D or 64 | D, bf16 64 | D
 @pytest.mark.parametrize("tokens", [1, 3, 7])  # 7: two blocks of new tokens (16 // 3 = 5)
 def test_the_cpu_attention_kernel_is_attention_over_the_masked_slots(tokens, dim, dtype):
     """Against float64 SDPA: GQA heads mapped as transformers maps them (query head h reads
@@ -163,3 +166,17 @@ def test_the_fused_fp32_norm_is_the_sum_and_torchs_rms_norm(with_delta):
     assert torch.equal(total, want_total)
     want = torch.nn.functional.rms_norm(want_total, (576,), weight, 1e-5)
     torch.testing.assert_close(normed, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_built_kernel_loads_without_torchs_build_tools():
+    """Once built, a process imports the kernel module itself: no cpp_extension and the
+    setuptools it pulls in (~0.2 s of every start)."""
+    assert cpu_kernels.kernel() is not None  # built here, if not before
+    code = (
+        "import sys; from eagle2_core import cpu_kernels; "
+        "assert cpu_kernels.kernel() is not None; "
+        "print('torch.utils.cpp_extension' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+    assert "compiling" not in done.stderr
