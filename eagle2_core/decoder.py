@@ -282,16 +282,22 @@ class BatchDecoder:
 
     def _shared_prefix(self, firsts: list[Joining]) -> SharedPrefix | None:
         """Leading tokens that new prompts share, run through the target once
-        (SharedPrefix): a new one where all of them share at least SHARED_PREFIX_MIN
-        tokens (more than the held one), else the one held from an earlier join if any of
-        them extends it. The prompts that extend it copy it; the rest are prefilled whole."""
+        (SharedPrefix): a new one where the most of them that open alike (two or more)
+        share at least SHARED_PREFIX_MIN tokens (more than the held one), else the one
+        held from an earlier join if any of them extends it. The prompts that extend it
+        copy it; the rest (a line with a system prompt of its own) are prefilled whole."""
         prompts = [j.prompt_ids for j in firsts]
         held = self.shared
         if held is not None and not any(_extends(p, held.ids) for p in prompts):
             held = None
-        length = common_length(prompts) if len(prompts) > 1 else 0
+        alike: dict[tuple[int, ...], list[list[int]]] = {}
+        for prompt in prompts:
+            if len(prompt) > SHARED_PREFIX_MIN:
+                alike.setdefault(tuple(prompt[:SHARED_PREFIX_MIN]), []).append(prompt)
+        most = max(alike.values(), key=len, default=[])
+        length = common_length(most) if len(most) > 1 else 0
         if length >= SHARED_PREFIX_MIN + (len(held.ids) if held is not None else 0):
-            ids = prompts[0][:length]
+            ids = most[0][:length]
             kv = self.target.kv()
             keys, values = kv.add_rows([length], length)
             positions = torch.arange(length, device=self.target.device)[None]

@@ -207,14 +207,16 @@ class OwnPrefill(BatchDecoder):
 @pytest.mark.parametrize("mode", ["vanilla", "eagle2"])
 def test_prompts_sharing_a_prefix_run_it_once(tiny, mode, monkeypatch):
     """Prompts that start alike (a chat template's system prompt): the shared tokens go
-    through the target once and every row copies them; prompts joining later that extend
-    them copy them again, and one that does not is prefilled whole. Every sequence decodes
-    what it does alone, and the draft head reads the same features as without sharing."""
+    through the target once and every row copies them, while a prompt that opens
+    otherwise is prefilled whole; prompts joining later that extend them copy them again.
+    Every sequence decodes what it does alone, and the draft head reads the same features
+    as without sharing."""
     target, engine = tiny
     prefix = prompts(96, (40,), seed=3)[0]
     tails = prompts(96, (1, 12, 30, 5, 2), seed=4)
-    first, later = [prefix + t for t in tails[:3]], [prefix + t for t in tails[3:]]
-    stranger = prompts(96, (25,), seed=5)[0]
+    loner, stranger = prompts(96, (20, 25), seed=5)
+    first = [prefix + t for t in tails[:3]] + [loner]
+    later = [prefix + t for t in tails[3:]]
     config = DecodeConfig(mode=mode, max_new_tokens=12, total_tokens=6)
     forwards, features = [], {}
     original_forward = BatchDecoder._forward
@@ -241,7 +243,8 @@ def test_prompts_sharing_a_prefix_run_it_once(tiny, mode, monkeypatch):
             decoder.add(k, prompt, config)
         out.update(decoder.step())
         if decoder_type is BatchDecoder:
-            assert forwards[:2] == [(1, len(prefix)), (3, 30)]  # the prefix, then the tails
+            # the prefix, the tails, the prompt that opens otherwise
+            assert forwards[:3] == [(1, len(prefix)), (3, 30), (1, len(loner))]
         forwards.clear()
         for k, prompt in enumerate([*later, stranger], start=len(first)):
             decoder.add(k, prompt, config)
