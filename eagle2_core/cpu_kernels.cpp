@@ -239,10 +239,46 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// As weigh_fp32, for bf16 values (widened to fp32) and outputs 16 * c0.. (64 of them).
+// 16 of a row's values as fp32, and 16 fp32 outputs stored as the cache's element (bf16
+// rounds to nearest even, as torch's .to(bf16)).
+static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+static inline __m512 load16(const uint16_t* x) { return widen16(x); }
+static inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 #if defined(__AVX512BF16__)
-template <int ROWS>
-static inline void weigh_bf16(const Item<uint16_t>& it, const float* scores, int64_t stride,
+static inline void store16(uint16_t* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
+// Query row q's dot products with the n (<= 16) keys from k0, lane sums in dots[j]: fp32
+// FMA, or bf16 pairs multiplied into fp32 sums (vdpbf16ps).
+static inline void dots16(const float* q, const float* k0, int64_t ks, int64_t D, int64_t n,
+                          __m512* dots) {
+  for (int64_t c = 0; c < D / 16; ++c) {
+    const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      if (j < n) dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k0 + j * ks + 16 * c), qc, dots[j]);
+  }
+}
+#if defined(__AVX512BF16__)
+static inline void dots16(const uint16_t* q, const uint16_t* k0, int64_t ks, int64_t D,
+                          int64_t n, __m512* dots) {
+  for (int64_t c = 0; c < D / 32; ++c) {
+    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      if (j < n)
+        dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(k0 + j * ks + 32 * c),
+                                   qc);
+  }
+}
+#endif
+
+// The weighted sum of the values for query rows r0.. (ROWS of them) and outputs c0..c0+64,
+// sums in fp32 registers.
+template <int ROWS, typename T>
+static inline void weigh_wide(const Item<T>& it, const float* scores, int64_t stride,
                               const float* norm, int64_t r0, int64_t c0) {
   __m512 sums[ROWS][4];
 #pragma GCC unroll 4
@@ -251,10 +287,10 @@ static inline void weigh_bf16(const Item<uint16_t>& it, const float* scores, int
     for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_ps();
   const float* p0 = scores + r0 * stride;
   for (int64_t s = 0; s < it.S; ++s) {
-    const uint16_t* vr = it.values + s * it.vs + 16 * c0;
+    const T* vr = it.values + s * it.vs + c0;
     __m512 v[4];
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) v[c] = widen16(vr + 16 * c);
+    for (int c = 0; c < 4; ++c) v[c] = load16(vr + 16 * c);
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r) {
       const __m512 p = _mm512_set1_ps(p0[r * stride + s]);
@@ -266,17 +302,16 @@ static inline void weigh_bf16(const Item<uint16_t>& it, const float* scores, int
     const __m512 scale = _mm512_set1_ps(norm[r0 + r]);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(it.out[r0 + r] + 16 * (c0 + c)),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[r][c], scale)));
+      store16(it.out[r0 + r] + c0 + 16 * c, _mm512_mul_ps(sums[r][c], scale));
   }
 }
 
-// AVX512-BF16, head size a multiple of 64: bf16 pairs multiplied into fp32 sums
-// (vdpbf16ps), 16 slots' scores at a time, up to 4 query rows x 64 outputs kept in
-// registers.
-static void attend_vector(const Item<uint16_t>& it, float* scores, int64_t stride) {
-  const int64_t S = it.S, D = it.D;
-
+// AVX-512, head size a multiple of 64, bf16 (with AVX512-BF16) or fp32: 16 slots' scores
+// at a time, up to 4 query rows x 64 outputs kept in registers; scores, softmax and the
+// weighted sum in fp32. Half the instructions of attend_fp32's 8-lane loops.
+template <typename T>
+static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
+  const int64_t S = it.S, D = it.D, line = 64 / static_cast<int64_t>(sizeof(T));
   const __m512 neg = _mm512_set1_ps(-INFINITY);
   float norm[16];
   __m512 peaks[16];
@@ -284,10 +319,10 @@ static void attend_vector(const Item<uint16_t>& it, float* scores, int64_t strid
   // Block by block, every query row (as attend_fp32: a block's keys stay in L1).
   for (int64_t s0 = 0; s0 < S; s0 += 16) {
     const int64_t n = std::min<int64_t>(16, S - s0);
-    const uint16_t* k0 = it.keys + s0 * it.ks;
+    const T* k0 = it.keys + s0 * it.ks;
     // the keys two blocks on and this block's values, ahead of their use
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; d += 32) {
+      for (int64_t d = 0; d < D; d += line) {
         _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + j) * it.ks + d), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
                      _MM_HINT_T0);
@@ -297,102 +332,7 @@ static void attend_vector(const Item<uint16_t>& it, float* scores, int64_t strid
       __m512 dots[16];
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) dots[j] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < D / 32; ++c) {
-        const __m512bh qc = (__m512bh)_mm512_loadu_si512(it.q[r] + 32 * c);
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j)
-          if (j < n)
-            dots[j] = _mm512_dpbf16_ps(
-                dots[j], (__m512bh)_mm512_loadu_si512(k0 + j * it.ks + 32 * c), qc);
-      }
-      const __m128i seen = _mm_maskz_loadu_epi8(lanes, it.visible[r] + s0);
-      const __mmask16 vis = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(seen),
-                                                   _mm512_set1_epi32(0xff));
-      const __m512 x = _mm512_mask_mul_ps(neg, vis, sum16(dots), _mm512_set1_ps(it.scale));
-      _mm512_storeu_ps(scores + r * stride + s0, x);
-      peaks[r] = _mm512_max_ps(peaks[r], x);
-    }
-  }
-  for (int64_t r = 0; r < it.R; ++r) {
-    float* sr = scores + r * stride;
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peaks[r]));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t s0 = 0; s0 < S; s0 += 16) {
-      const __m512 x = _mm512_loadu_ps(sr + s0);
-      const __mmask16 vis = _mm512_cmp_ps_mask(x, neg, _CMP_NEQ_OQ);
-      const __m512 e = _mm512_maskz_mov_ps(vis, exp16(_mm512_sub_ps(x, top)));
-      _mm512_storeu_ps(sr + s0, e);  // lanes past S: zero (vis excludes them)
-      total = _mm512_add_ps(total, e);
-    }
-    norm[r] = 1.f / _mm512_reduce_add_ps(total);
-  }
-  for (int64_t r0 = 0; r0 < it.R; r0 += 4) {
-    const int64_t rows = std::min<int64_t>(4, it.R - r0);  // 3 for one token of 3 heads
-    for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
-      if (rows == 4) weigh_bf16<4>(it, scores, stride, norm, r0, c0);
-      else if (rows == 3) weigh_bf16<3>(it, scores, stride, norm, r0, c0);
-      else if (rows == 2) weigh_bf16<2>(it, scores, stride, norm, r0, c0);
-      else weigh_bf16<1>(it, scores, stride, norm, r0, c0);
-    }
-  }
-}
-#endif  // __AVX512BF16__
-
-// The weighted sum of the values for query rows r0.. (ROWS of them) and outputs c0..c0+64.
-template <int ROWS>
-static inline void weigh_fp32_wide(const Item<float>& it, const float* scores, int64_t stride,
-                                   const float* norm, int64_t r0, int64_t c0) {
-  __m512 sums[ROWS][4];
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_ps();
-  const float* p0 = scores + r0 * stride;
-  for (int64_t s = 0; s < it.S; ++s) {
-    const float* vr = it.values + s * it.vs + c0;
-    __m512 v[4];
-    for (int c = 0; c < 4; ++c) v[c] = _mm512_loadu_ps(vr + 16 * c);
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 p = _mm512_set1_ps(p0[r * stride + s]);
-      for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_fmadd_ps(p, v[c], sums[r][c]);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    const __m512 scale = _mm512_set1_ps(norm[r0 + r]);
-    for (int c = 0; c < 4; ++c)
-      _mm512_storeu_ps(it.out[r0 + r] + c0 + 16 * c, _mm512_mul_ps(sums[r][c], scale));
-  }
-}
-
-// fp32, head size a multiple of 64 (AVX-512): as attend_vector, 16 slots' scores at a
-// time and up to 4 query rows x 64 outputs in registers; half the instructions of
-// attend_fp32's 8-lane loops.
-static void attend_fp32_wide(const Item<float>& it, float* scores, int64_t stride) {
-  const int64_t S = it.S, D = it.D;
-  const __m512 neg = _mm512_set1_ps(-INFINITY);
-  float norm[16];
-  __m512 peaks[16];
-  for (int64_t r = 0; r < it.R; ++r) peaks[r] = neg;
-  for (int64_t s0 = 0; s0 < S; s0 += 16) {
-    const int64_t n = std::min<int64_t>(16, S - s0);
-    const float* k0 = it.keys + s0 * it.ks;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; d += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + j) * it.ks + d), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
-                     _MM_HINT_T0);
-      }
-    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t r = 0; r < it.R; ++r) {
-      __m512 dots[16];
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) dots[j] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < D / 16; ++c) {
-        const __m512 qc = _mm512_loadu_ps(it.q[r] + 16 * c);
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j)
-          if (j < n)
-            dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k0 + j * it.ks + 16 * c), qc, dots[j]);
-      }
+      dots16(it.q[r], k0, it.ks, D, n, dots);
       const __m128i seen = _mm_maskz_loadu_epi8(lanes, it.visible[r] + s0);
       const __mmask16 vis = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(seen),
                                                    _mm512_set1_epi32(0xff));
@@ -417,10 +357,10 @@ static void attend_fp32_wide(const Item<float>& it, float* scores, int64_t strid
   for (int64_t r0 = 0; r0 < it.R; r0 += 4) {
     const int64_t rows = std::min<int64_t>(4, it.R - r0);  // 3 for one token of 3 heads
     for (int64_t c0 = 0; c0 < D; c0 += 64) {
-      if (rows == 4) weigh_fp32_wide<4>(it, scores, stride, norm, r0, c0);
-      else if (rows == 3) weigh_fp32_wide<3>(it, scores, stride, norm, r0, c0);
-      else if (rows == 2) weigh_fp32_wide<2>(it, scores, stride, norm, r0, c0);
-      else weigh_fp32_wide<1>(it, scores, stride, norm, r0, c0);
+      if (rows == 4) weigh_wide<4>(it, scores, stride, norm, r0, c0);
+      else if (rows == 3) weigh_wide<3>(it, scores, stride, norm, r0, c0);
+      else if (rows == 2) weigh_wide<2>(it, scores, stride, norm, r0, c0);
+      else weigh_wide<1>(it, scores, stride, norm, r0, c0);
     }
   }
 }
@@ -442,12 +382,17 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
   const auto* vp = reinterpret_cast<const T*>(values.data_ptr());
   auto* op = reinterpret_cast<T*>(out.data_ptr());
   const bool* mp = visible.data_ptr<bool>();
-  bool vector = false;  // the vector kernel for T on this CPU, where there is one
+  // The vector kernel for T on this CPU, where there is one: attend_wide (AVX-512; bf16
+  // needs AVX512-BF16), else attend_fp32 (AVX2) for fp32.
+  bool wide = false, vector = false;
 #if defined(__AVX512BF16__)
-  vector = vector || (std::is_same<T, uint16_t>::value && D % 64 == 0);
+  wide = std::is_same<T, uint16_t>::value && D % 64 == 0;
+#endif
+#if defined(__AVX512F__)
+  wide = wide || (std::is_same<T, float>::value && D % 64 == 0);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  vector = vector || (std::is_same<T, float>::value && D % 16 == 0);
+  vector = std::is_same<T, float>::value && D % 16 == 0;
 #endif
   const int64_t items = B * KV * blocks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -473,18 +418,15 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
         for (int64_t s = Sall - 1; s >= it.S; --s)
           if (it.visible[r][s]) { it.S = s + 1; break; }
       }
-      if (vector) {
+      if (wide) {
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same<T, uint16_t>::value) attend_vector(it, scores.data(), stride);
+        attend_wide(it, scores.data(), stride);
+#elif defined(__AVX512F__)
+        if constexpr (std::is_same<T, float>::value) attend_wide(it, scores.data(), stride);
 #endif
-#if defined(__AVX512F__)
-        if constexpr (std::is_same<T, float>::value) {
-          if (D % 64 == 0) {
-            attend_fp32_wide(it, scores.data(), stride);
-            continue;
-          }
-        }
-#endif
+        continue;
+      }
+      if (vector) {
 #if defined(__AVX2__) && defined(__FMA__)
         if constexpr (std::is_same<T, float>::value) attend_fp32(it, scores.data(), stride);
 #endif
