@@ -46,9 +46,9 @@ SOURCE = (Path(__file__).parent / "cpu_kernels.cpp").read_text()
 
 def _cpu_tag() -> str:
     """What the compiled code depends on: -march=native ties it to this CPU's flags, and
-    the build to the torch it was compiled against. The torch's location counts too: a
-    build directory shared by two virtualenvs was rebuilt, silently, each time the other
-    one loaded it (~25 s on the 2-core Xeon)."""
+    the build to the torch and the Python it was compiled against. The torch's location
+    counts too: a build directory shared by two virtualenvs was rebuilt, silently, each
+    time the other one loaded it (~25 s on the 2-core Xeon)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -183,8 +183,8 @@ def attend(
 ) -> torch.Tensor:
     """Write k, v [B, T, kv_heads, D] into the layer's cache [B, kv_heads, S, D] where
     `writes` says and attend q [B, T, heads, D] over its first span slots; returns
-    [B, T, heads * D]. mask [B, 1, T, span] bool (True = visible); None = causal over a
-    cache that holds nothing before slot 0. With chunks, each chunk of rows reads only up
+    [B, T, heads * D]. mask [B, 1, T, span] bool (True = visible); None = causal (each new
+    token sees its row's slots up to its own). With chunks, each chunk of rows reads only up
     to its own span: rows of different lengths do not all pay for the longest (attention
     reads every slot it is given, masked or not, and at a batch's size that read is most
     of its time)."""
@@ -196,6 +196,8 @@ def attend(
         keys.transpose(1, 2)[writes.rows, writes.slots] = k
         values.transpose(1, 2)[writes.rows, writes.slots] = v
     span = writes.span
+    if mask is None and span > t:  # causal after entries already cached: is_causal is not
+        mask = writes.causal(writes.slots_of(b, t))
     q = q.transpose(1, 2)
     if mask is None:
         out = F.scaled_dot_product_attention(
@@ -284,7 +286,7 @@ def forward(
     writes = Writes.of(start, ids.shape[0], ids.shape[1], ids.device)
     captured = {}
     if mask is None and (writes.span > ids.shape[1] or cpu_kernels.attends(x, ids.shape[1])):
-        mask = writes.causal(writes.slots_of(*ids.shape))  # after cached entries, or the kernel's
+        mask = writes.causal(writes.slots_of(*ids.shape))  # once for all layers, not per layer
     norms = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
     x, h = add_rms_norm(x, None, model.layers[0].input_norm, model.eps)
     for index, (layer, following) in enumerate(zip(model.layers, norms, strict=True)):

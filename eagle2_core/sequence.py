@@ -66,7 +66,8 @@ class Prefill:
 class SharedPrefix:
     """Leading tokens that the prompts of a join share (a chat template's system prompt),
     run through the target once: each new row's first slots copy its cache, and only the
-    rest of its prompt is prefilled. Kept for later joins whose prompts all extend it."""
+    rest of its prompt is prefilled. Kept for later joins: their prompts that extend it
+    copy it too."""
 
     ids: list[int]
     keys: torch.Tensor  # [layers, 1, kv_heads, T, D]

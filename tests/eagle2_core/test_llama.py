@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from eagle2_core import cpu_kernels
-from eagle2_core.llama import LeanLlama, UnsupportedModelError, forward, rotate
+from eagle2_core.llama import LeanLlama, UnsupportedModelError, Writes, attend, forward, rotate
 from eagle2_core.models import target_from_model
 from tests.eagle2_core.tiny import tiny_target, tiny_tokenizer
 
@@ -180,3 +180,18 @@ def test_a_built_kernel_loads_without_torchs_build_tools():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
     assert "compiling" not in done.stderr
+
+
+def test_attention_without_a_mask_is_causal_after_cached_entries():
+    """New tokens written after entries already in the cache, no mask given: each sees the
+    cached slots and the new ones up to its own, as the explicit causal mask says (torch's
+    is_causal would align them to slot 0)."""
+    torch.manual_seed(0)
+    b, t, cached, heads, kv_heads, dim = 2, 6, 5, 4, 2, 16
+    q = torch.randn(b, t, heads, dim)
+    k, v = torch.randn(b, t, kv_heads, dim), torch.randn(b, t, kv_heads, dim)
+    keys, values = torch.randn(2, b, kv_heads, 16, dim).unbind(0)
+    writes = Writes(cached, None, cached + t)
+    mask = writes.causal(writes.slots_of(b, t))
+    want = attend(q, k, v, keys.clone(), values.clone(), writes, mask)
+    assert torch.equal(attend(q, k, v, keys.clone(), values.clone(), writes, None), want)
