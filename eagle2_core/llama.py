@@ -152,11 +152,11 @@ class Writes:
     chunks: tuple[tuple[int, int, int], ...] = ()  # (first row, end row, span): RowStarts
     rows: torch.Tensor | None = None
 
-    def slots_of(self, b: int, t: int) -> torch.Tensor:
-        """Each row's new slots [B, T]."""
+    def slots_of(self, b: int, t: int, device: torch.device) -> torch.Tensor:
+        """Each row's new slots [B, T] on `device` (the cache's)."""
         if self.slots is not None:
             return self.slots
-        return (self.start + torch.arange(t)).expand(b, t)
+        return (self.start + torch.arange(t, device=device)).expand(b, t)
 
     def causal(self, slots: torch.Tensor) -> torch.Tensor:
         """The mask of mask=None: each new token sees its row's slots up to its own."""
@@ -197,7 +197,7 @@ def attend(
         values.transpose(1, 2)[writes.rows, writes.slots] = v
     span = writes.span
     if mask is None and span > t:  # causal after entries already cached: is_causal is not
-        mask = writes.causal(writes.slots_of(b, t))
+        mask = writes.causal(writes.slots_of(b, t, q.device))
     q = q.transpose(1, 2)
     if mask is None:
         out = F.scaled_dot_product_attention(
@@ -250,7 +250,7 @@ def self_attention(
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.dim
     mixed = qkv(x)
     if cpu_kernels.attends(x, t):  # on a CPU: one pass
-        slots = writes.slots_of(b, t)
+        slots = writes.slots_of(b, t, x.device)
         mask = mask if mask is not None else writes.causal(slots)
         return o(cpu_kernels.rope_attend(mixed, angles, keys, values, slots, mask, heads))
     qk = rotate(mixed[..., : (heads + kv_heads) * dim].view(b, t, heads + kv_heads, dim), *angles)
@@ -286,7 +286,8 @@ def forward(
     writes = Writes.of(start, ids.shape[0], ids.shape[1], ids.device)
     captured = {}
     if mask is None and (writes.span > ids.shape[1] or cpu_kernels.attends(x, ids.shape[1])):
-        mask = writes.causal(writes.slots_of(*ids.shape))  # once for all layers, not per layer
+        # once for all layers, not per layer
+        mask = writes.causal(writes.slots_of(*ids.shape, ids.device))
     norms = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
     x, h = add_rms_norm(x, None, model.layers[0].input_norm, model.eps)
     for index, (layer, following) in enumerate(zip(model.layers, norms, strict=True)):

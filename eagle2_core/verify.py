@@ -61,7 +61,8 @@ def choose_token(logits: torch.Tensor, sampling: Sampling, uniform: float) -> in
     """The target's own next token: argmax, or the draw of `uniform` from target_probs."""
     if sampling.greedy:
         return int(logits.argmax())
-    return int(draw(target_probs(logits, sampling), torch.tensor(uniform)))
+    uniforms = torch.tensor(uniform, device=logits.device)
+    return int(draw(target_probs(logits, sampling), uniforms))
 
 
 class Uniforms:

@@ -192,6 +192,6 @@ def test_attention_without_a_mask_is_causal_after_cached_entries():
     k, v = torch.randn(b, t, kv_heads, dim), torch.randn(b, t, kv_heads, dim)
     keys, values = torch.randn(2, b, kv_heads, 16, dim).unbind(0)
     writes = Writes(cached, None, cached + t)
-    mask = writes.causal(writes.slots_of(b, t))
+    mask = writes.causal(writes.slots_of(b, t, q.device))
     want = attend(q, k, v, keys.clone(), values.clone(), writes, mask)
     assert torch.equal(attend(q, k, v, keys.clone(), values.clone(), writes, None), want)
