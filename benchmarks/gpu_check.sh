@@ -13,12 +13,13 @@
 #   run  command="bash benchmarks/gpu_check.sh run"    carry=[".gpu/gguf.part-ab",
 #        ".gpu/wheels", ".gpu/mt_bench.jsonl", ".gpu/gguf.sha256"]   timeout_s=600
 #
-# `run` reassembles the model, installs the wheels under /tmp, then runs four steps, each
-# under its own time limit: the identity tests with EAGLE2_TEST_DEVICE=cuda (tiny random
-# Llamas and SmolLM2, fp32: greedy output must equal transformers' generate; the sampling
-# chi-square tests), the bench on 10 MT-bench first turns (128 new tokens) in fp32, batched
-# throughput on the 80 first turns (--dtype auto, B = 16, 64 and auto), and the bench in
-# bf16. Everything lands in $OUT; steps.txt says how long each step took.
+# `run` reassembles the model, installs the wheels under /tmp, then runs five steps, each
+# under its own time limit (590 s in all): the identity tests with EAGLE2_TEST_DEVICE=cuda
+# (tiny random Llamas and SmolLM2, fp32: greedy output must equal transformers' generate;
+# the sampling chi-square tests), a profile of batched rounds (GPU time against wall time),
+# the bench on 10 MT-bench first turns (128 new tokens) in fp32 and in bf16, and batched
+# throughput on the 80 first turns (--dtype auto, B = 16, 64 and auto). Everything lands in
+# $OUT; steps.txt says how long each step took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STASH=/tmp/eagle2-gpu
@@ -68,15 +69,21 @@ run() {
   # Each step has its own time limit, so a slow one (the first run per dtype measures the
   # cost table: over a minute on the H200) costs only itself; steps.txt says how each went.
   # --noconftest: tests/conftest.py sets up Postgres, which the identity tests do not use.
-  step tests 200 "python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 120 \
+  step tests 140 "python3 -m pytest -q -p no:cacheprovider --noconftest --timeout 120 \
     tests/eagle2_core/test_engine.py tests/eagle2_core/test_batch.py \
     tests/eagle2_core/test_sampling.py tests/eagle2_core/test_smollm2.py"
-  step bench-fp32 200 "$bench $sets --limit $LIMIT --dtype fp32 --json"
+  # GPU kernel time against wall time a round: how far the host (launches, Python, syncs)
+  # keeps the chip waiting.
+  step profile 60 "python3 benchmarks/profile_batch.py --dataset .gpu/mt_bench.jsonl \
+    --batch-sizes 1,64 --dtype bf16 --device $DEVICE --rounds 16 --warmup 4"
+  step bench-fp32 150 "$bench $sets --limit $LIMIT --dtype fp32 --json"
+  # bf16 measures its cost table first (over a minute on the H200); the batched step after
+  # it finds the table cached.
+  step bench-bf16 150 "$bench $sets --limit $LIMIT --dtype bf16 --modes engine-vanilla,eagle2 --json"
   # Throughput at batch: --dtype auto (bf16 on a GPU) and --batch-size auto against fixed B,
   # the engine's batched plain decoding against batched EAGLE-2 on the same prompts.
-  step bench-batch 220 "$bench $sets --limit $BATCH_LIMIT --dtype auto \
+  step bench-batch 90 "$bench $sets --limit $BATCH_LIMIT --dtype auto \
     --modes engine-vanilla,eagle2 --batch-sizes 16,64,auto --json"
-  step bench-bf16 120 "$bench $sets --limit $LIMIT --dtype bf16 --modes engine-vanilla,eagle2 --json"
   cat "$out/steps.txt"
 }
 

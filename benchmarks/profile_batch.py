@@ -8,7 +8,12 @@ what batching overhead costs (per-sequence Python work, cache copies, masks, sto
 checks). Also prints the step's floor on this machine: FLOPs / the measured fp32 GEMM
 rate.
 
+On a GPU (`--device cuda`) the split by host time says little: it adds what the GPU did
+(the kernels' summed device time a round, and how many kernels), so a round's wall time
+far above its GPU time shows a step bound by the host (launches, Python, syncs).
+
     python benchmarks/profile_batch.py --batch-sizes 16,64 --dtype fp32
+    python benchmarks/profile_batch.py --batch-sizes 1,64 --dtype bf16 --device cuda
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from collections import Counter
 from pathlib import Path
 
 import click
+import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from eagle2_core import cpu_kernels, llama
@@ -53,6 +60,13 @@ def split_ops(prof) -> Counter:
     return parts
 
 
+def gpu_time(prof, rounds: int) -> dict[str, float]:
+    """A round's summed GPU kernel time and kernel count."""
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1000
+    return {"gpu_ms": round(busy / rounds, 2), "kernels": round(len(kernels) / rounds)}
+
+
 def _under_attention(event) -> bool:
     parent = event.cpu_parent
     while parent is not None:
@@ -85,14 +99,26 @@ def timed(function, name: str):
 @click.option("--rounds", default=24, show_default=True, help="Profiled rounds per batch size.")
 @click.option("--warmup", default=8, show_default=True)
 @click.option("--model", default=DEFAULT_MODEL, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
 def main(
-    dataset: Path, batch_sizes: str, dtype: str, mode: str, rounds: int, warmup: int, model: str
+    dataset: Path,
+    batch_sizes: str,
+    dtype: str,
+    mode: str,
+    rounds: int,
+    warmup: int,
+    model: str,
+    device: str,
 ) -> None:
     llama.attend = timed(llama.attend, "attention")
     cpu_kernels.rope_attend = timed(cpu_kernels.rope_attend, "attention")
     cpu_kernels.add_rms_norm = timed(cpu_kernels.add_rms_norm, "norm")
-    torch_dtype = resolve_dtype(dtype, "cpu")
-    engine = load_engine(model, None, needs_draft=mode != "vanilla", dtype=torch_dtype)
+    torch_dtype = resolve_dtype(dtype, device)
+    engine = load_engine(
+        model, None, needs_draft=mode != "vanilla", dtype=torch_dtype, device=device
+    )
+    on_gpu = engine.target.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     tokenizer = engine.target.tokenizer
     config = DecodeConfig(mode=mode, max_new_tokens=warmup + rounds + 8)
     params = sum(p.numel() for p in engine.target.model.parameters())
@@ -104,10 +130,12 @@ def main(
         for _ in range(warmup):
             decoder.step()
         active = decoder.active
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=activities) as prof:
             start = time.perf_counter()
             for _ in range(rounds):
                 decoder.step()
+            if on_gpu:
+                torch.cuda.synchronize()
             wall = (time.perf_counter() - start) * 1000 / rounds
         parts = split_ops(prof)
         per_round = {k: v / rounds for k, v in parts.items()}
@@ -128,6 +156,7 @@ def main(
                     "python_ms": round(rest, 1),
                     "neither_share": round(neither, 3),
                     "gflop": round(flops / 1e9, 2),
+                    **(gpu_time(prof, rounds) if on_gpu else {}),
                 }
             ),
             flush=True,

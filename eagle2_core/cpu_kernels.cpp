@@ -1,6 +1,7 @@
-// Decoding attention on a CPU in bf16 and fp32; in bf16 also RoPE with the cache write, and
-// the residual add with its RMSNorm. Compiled on first use by cpu_kernels.py (torch's cpp_extension, -march=native);
-// that module's docstring says why each exists.
+// Decoding attention on a CPU in bf16 and fp32; also RoPE with the cache write, the residual
+// add with its RMSNorm, and the greedy token of each row of logits. Compiled on first use
+// by cpu_kernels.py (torch's cpp_extension, -march=native); that module's docstring says
+// why each exists.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -605,4 +606,64 @@ torch::Tensor rope_attend(torch::Tensor mixed, torch::Tensor cos, torch::Tensor 
     rope_write<uint16_t>(mixed, cos, sin, keys, values, slots, q, heads);
   const int64_t span = visible.size(2);
   return decode_attention(q, keys.narrow(2, 0, span), values.narrow(2, 0, span), visible, scale);
+}
+
+// The index of a row's first maximum, or of its first NaN where it has one (as torch.max
+// gives them). Two passes over the row, the peak then its first position: torch's max
+// with indices tracks both at once and took 2.3-2.8 ms for 77 rows of bf16 logits on the
+// 2-core EPYC, against 0.4 for the peak alone.
+template <typename T>
+static int64_t first_peak(const T* x, int64_t V) {
+  float best = -INFINITY;
+  bool nan = false;
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  __m512 peak = _mm512_set1_ps(-INFINITY);
+  __mmask16 unordered = 0;
+  for (; d + 16 <= V; d += 16) {
+    const __m512 v = load16(x + d);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    peak = _mm512_max_ps(peak, v);
+  }
+  best = _mm512_reduce_max_ps(peak);
+  nan = unordered != 0;
+#endif
+  for (; d < V; ++d) {
+    const float v = widen1(x[d]);
+    nan |= std::isnan(v);
+    best = std::max(best, v);
+  }
+  d = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(best);
+  for (; d + 16 <= V; d += 16) {
+    const __m512 v = load16(x + d);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                              : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hit) return d + __builtin_ctz(hit);
+  }
+#endif
+  for (; d < V; ++d) {
+    const float v = widen1(x[d]);
+    if (nan ? std::isnan(v) : v == best) return d;
+  }
+  return 0;
+}
+
+// Each row's first_peak over the last dimension of x (bf16 or fp32): x.max(-1).indices.
+torch::Tensor row_argmax(torch::Tensor x) {
+  x = x.contiguous();
+  const int64_t V = x.size(-1), N = x.numel() / V;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  auto out = torch::empty(shape, x.options().dtype(torch::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const bool fp32 = x.scalar_type() == torch::kFloat;
+  TORCH_CHECK(fp32 || x.scalar_type() == torch::kBFloat16, "bf16 or fp32, got ", x.scalar_type());
+  const float* fp = fp32 ? x.data_ptr<float>() : nullptr;
+  const uint16_t* bp = fp32 ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr());
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      op[i] = fp32 ? first_peak(fp + i * V, V) : first_peak(bp + i * V, V);
+  });
+  return out;
 }

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from eagle2_core import cpu_kernels
 from eagle2_core.config import DEFAULT_BATCH_SIZE, DecodeConfig
 from eagle2_core.controls import controls_for, draft_adjust, process_trees
 from eagle2_core.cost import CostModel
@@ -534,9 +535,7 @@ class BatchDecoder:
         controls = [seq.controls for seq in self.rows]
         if any(c is not None for c in controls):  # rows with processors: their own logits
             logits = process_trees(logits, trees, controls)
-        # max's indices are argmax's (the first maximal one), at a third of its time on a
-        # CPU: 1.1 against 2.9 ms for 80 rows of fp32 logits, 1.7 against 8.2 in bf16.
-        choices = logits.max(dim=-1).indices
+        choices = cpu_kernels.greedy_tokens(logits)
         for row, seq in enumerate(self.rows):
             sampling = seq.config.sampling
             if not sampling.greedy:
