@@ -667,3 +667,47 @@ torch::Tensor row_argmax(torch::Tensor x) {
   });
   return out;
 }
+
+#if defined(__AVX512BF16__)
+// The MLP's middle in bf16: gate_up [N, 2I] (gate | up, one product) -> [N, I] =
+// bf16(bf16(silu(gate)) * up), rounding as F.silu then `*` do in bf16, in one pass where
+// torch takes three (the chunk's copy, silu, the product). silu(x) = x / (1 + exp(-x)) in
+// fp32 as torch computes it, with exp16's polynomial for torch's: within an fp32 ulp or
+// two, so a bf16 result can differ from torch's by one bf16 ulp where the fp32 value sits
+// on a rounding boundary.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "bf16 only");
+  gate_up = gate_up.contiguous();
+  const int64_t I = gate_up.size(-1) / 2, N = gate_up.numel() / (2 * I);
+  TORCH_CHECK(I % 16 == 0, "the intermediate size must be a multiple of 16");
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = I;
+  auto out = torch::empty(shape, gate_up.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const __m512 one = _mm512_set1_ps(1.f);
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint16_t* gate = xp + n * 2 * I;
+      const uint16_t* up = gate + I;
+      uint16_t* y = yp + n * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const __m512 g = widen16(gate + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+        // bf16(silu), widened back: the product sees what torch's would
+        const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu)), 16));
+        store16(y + i, _mm512_mul_ps(rounded, widen16(up + i)));
+      }
+    }
+  });
+  return out;
+}
+#else
+// Without AVX512-BF16: torch's own ops, rounding as before.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  const auto halves = gate_up.chunk(2, -1);
+  return torch::silu(halves[0]) * halves[1];
+}
+#endif

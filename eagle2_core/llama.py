@@ -259,8 +259,7 @@ def self_attention(
 
 
 def mlp(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
-    gate, up = gate_up(x).chunk(2, dim=-1)
-    return down(F.silu(gate) * up)
+    return down(cpu_kernels.silu_mul(gate_up(x)))
 
 
 def forward(

@@ -30,3 +30,25 @@ def test_greedy_tokens_are_torchs_first_maximum(dtype, vocab):
         got = cpu_kernels.greedy_tokens(case)
         assert got.dtype == torch.long and got.shape == want.shape
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_is_torchs_within_a_bf16_ulp(dtype):
+    """The MLP's middle: fp32 exactly torch's ops; bf16 equal to F.silu(gate) * up but for
+    rare single-ulp differences (another exp polynomial), with extremes that overflow
+    exp or sit at zero."""
+    generator = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(37, 2, 2 * 1536, generator=generator) * 4).to(dtype)
+    gate_up[0, 0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = cpu_kernels.silu_mul(gate_up)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+        return
+    assert cpu_kernels.kernel() is not None
+    differ = got != want
+    assert differ.float().mean() < 1e-3
+    ulp = (got.float() - want.float()).abs() / want.float().abs().clamp(min=1e-30)
+    assert (ulp[differ] <= 2**-7).all()  # one bf16 ulp: 8 bits of mantissa
