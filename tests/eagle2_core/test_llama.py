@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from eagle2_core import cpu_kernels
-from eagle2_core.llama import LeanLlama, UnsupportedModelError, Writes, attend, forward, rotate
+from eagle2_core.llama import LeanLlama, UnsupportedModelError, Writes, attend, forward
 from eagle2_core.models import target_from_model
 from tests.eagle2_core.tiny import tiny_target, tiny_tokenizer
 
@@ -70,116 +66,6 @@ def test_unsupported_architectures_are_refused_by_name():
     model.config.model_type = "gpt2"
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         LeanLlama.of(model)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("dim", [16, 24, 64, 128])  # vector: fp32 16 | D or 64 | D, bf16 64 | D
-@pytest.mark.parametrize("tokens", [1, 3, 7])  # 7: two blocks of new tokens (16 // 3 = 5)
-def test_the_cpu_attention_kernel_is_attention_over_the_masked_slots(tokens, dim, dtype):
-    """Against float64 SDPA: GQA heads mapped as transformers maps them (query head h reads
-    KV head h // group), masked slots invisible, slot counts not a multiple of its blocks,
-    a cache slice with its capacity's strides, q a strided view as the q|k|v product
-    leaves it; only slot 0 visible gives its value."""
-    assert cpu_kernels.kernel() is not None  # CI's machine has a compiler
-    torch.manual_seed(0)
-    q = torch.randn(3, tokens, 8, dim).to(dtype)[:, :, :6]  # [B, T, heads, D], strided
-    keys, values = torch.randn(3, 2, 2, 40, dim).to(dtype)[:, :, :, :35].unbind(1)
-    mask = torch.rand(3, 1, tokens, 35) > 0.4
-    mask[..., 0] = True
-    mask[1, ..., 19:] = False  # a shorter row
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2).double(), keys.double(), values.double(), attn_mask=mask,
-        enable_gqa=True,
-    ).transpose(1, 2).reshape(3, tokens, 6 * dim)  # fmt: skip
-    assert cpu_kernels.norms(q)
-    assert cpu_kernels.attends(q, tokens) == (dtype == torch.bfloat16 or tokens <= 4)
-    got = cpu_kernels.decode_attention(q, keys, values, mask)
-    assert got.dtype == dtype and got.shape == (3, tokens, 6 * dim)
-    assert torch.allclose(got.double(), expected, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
-    mask[..., 1:] = False
-    got = cpu_kernels.decode_attention(q, keys, values, mask).view(3, tokens, 6, dim)
-    first = values[:, :, 0].repeat_interleave(3, dim=1)[:, None].expand(3, tokens, 6, dim)
-    assert torch.equal(got, first)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("dim", [16, 64])
-@torch.inference_mode()
-def test_the_fused_block_equals_rope_then_the_cache_write_then_the_kernel(dim, dtype):
-    """rope_attend rounds as llama.rotate does and writes each new key and value to its
-    own row's slot: in bf16 the same bits as the three steps one after the other; in fp32
-    (where the compiler may fuse RoPE's multiply and add) within an fp32 rounding."""
-    torch.manual_seed(0)
-    b, t, heads, kv_heads, capacity = 3, 2, 6, 2, 24
-    mixed = torch.randn(b, t, (heads + 2 * kv_heads) * dim).to(dtype)
-    angles = [torch.randn(b, t, 1, dim).to(dtype) for _ in range(2)]
-    keys, values = torch.randn(2, b, kv_heads, capacity, dim).to(dtype)
-    lengths = torch.tensor([5, 9, 7])
-    slots = lengths[:, None] + torch.arange(t)
-    span = int(slots.max()) + 1
-    positions = torch.arange(span)[None, None]
-    mask = ((positions < lengths[:, None, None]) | (positions == slots[:, :, None]))[:, None]
-    mask[0, 0, 1, slots[0, 0]] = True  # the second new token sees the first
-
-    qk = rotate(mixed[..., : (heads + kv_heads) * dim].view(b, t, -1, dim), *angles)
-    v = mixed[..., (heads + kv_heads) * dim :].view(b, t, kv_heads, dim)
-    want_keys, want_values = keys.clone(), values.clone()
-    rows = torch.arange(b)[:, None]
-    want_keys.transpose(1, 2)[rows, slots] = qk[:, :, heads:]
-    want_values.transpose(1, 2)[rows, slots] = v
-    want = cpu_kernels.decode_attention(
-        qk[:, :, :heads], want_keys[:, :, :span], want_values[:, :, :span], mask
-    )
-    got = cpu_kernels.rope_attend(mixed, angles, keys, values, slots, mask, heads)
-
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return torch.equal(a, b) if dtype == torch.bfloat16 else torch.allclose(a, b, atol=1e-6)
-
-    assert same(got, want) and same(keys, want_keys) and torch.equal(values, want_values)
-
-
-@pytest.mark.parametrize("with_delta", [True, False])
-def test_the_fused_bf16_norm_is_the_sum_and_torchs_rms_norm(with_delta):
-    """The residual sum bit for bit as torch adds in bf16; the norm within one bf16 step
-    of F.rms_norm (its fp32 sum of squares is added up in another order)."""
-    torch.manual_seed(0)
-    x, delta = (torch.randn(2, 37, 576) * 3).bfloat16()
-    weight = torch.rand(576).bfloat16() + 0.5
-    total, normed = cpu_kernels.add_rms_norm(x, delta if with_delta else None, weight, 1e-5)
-    want_total = x + delta if with_delta else x
-    assert torch.equal(total, want_total)
-    want = torch.nn.functional.rms_norm(want_total, (576,), weight, 1e-5)
-    steps = (normed.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)
-    assert float(steps.max()) <= 2**-7  # one bf16 step at most
-    assert float((normed != want).float().mean()) < 0.01
-
-
-@pytest.mark.parametrize("with_delta", [True, False])
-def test_the_fused_fp32_norm_is_the_sum_and_torchs_rms_norm(with_delta):
-    """In fp32 the residual sum is torch's bit for bit and the norm within a few fp32
-    roundings of F.rms_norm."""
-    torch.manual_seed(0)
-    x, delta = torch.randn(2, 2, 37, 576) * 3
-    weight = torch.rand(576) + 0.5
-    total, normed = cpu_kernels.add_rms_norm(x, delta if with_delta else None, weight, 1e-5)
-    want_total = x + delta if with_delta else x
-    assert torch.equal(total, want_total)
-    want = torch.nn.functional.rms_norm(want_total, (576,), weight, 1e-5)
-    torch.testing.assert_close(normed, want, rtol=1e-6, atol=1e-6)
-
-
-def test_a_built_kernel_loads_without_torchs_build_tools():
-    """Once built, a process imports the kernel module itself: no cpp_extension and the
-    setuptools it pulls in (~0.2 s of every start)."""
-    assert cpu_kernels.kernel() is not None  # built here, if not before
-    code = (
-        "import sys; from eagle2_core import cpu_kernels; "
-        "assert cpu_kernels.kernel() is not None; "
-        "print('torch.utils.cpp_extension' in sys.modules)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "False"
-    assert "compiling" not in done.stderr
 
 
 def test_attention_without_a_mask_is_causal_after_cached_entries():
