@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 import torch
+from profile_batch import first_turns
 
 from eagle2_core import cpu_kernels
 from eagle2_core.config import DecodeConfig
@@ -20,11 +21,6 @@ from eagle2_core.decoder import BatchDecoder
 from eagle2_core.engine import load_engine
 from eagle2_core.precision import resolve_dtype
 from eagle2_core.registry import DEFAULT_MODEL, encode_chat
-
-
-def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
 
 
 def torch_greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -45,16 +41,15 @@ def torch_greedy(logits: torch.Tensor) -> torch.Tensor:
 def main(dataset: Path, dtype: str, rows: int, blocks: int, rounds: int) -> None:
     engine = load_engine(DEFAULT_MODEL, None, dtype=resolve_dtype(dtype, "cpu"))
     tokenizer = engine.target.tokenizer
-    turns = [json.loads(line)["turns"][0] for line in dataset.read_text().splitlines()]
     decoder = BatchDecoder(engine, rows)
-    for i, text in enumerate(turns[:rows]):
+    for i, text in enumerate(first_turns(dataset, rows)):
         ids = encode_chat(tokenizer, [{"role": "user", "content": text}])
         decoder.add(i, ids, DecodeConfig(max_new_tokens=128))
     for _ in range(10):  # the joins and the first rounds
         decoder.step()
     sides = {
         "kernels": (cpu_kernels.silu_mul, cpu_kernels.greedy_tokens),
-        "torch": (torch_silu_mul, torch_greedy),
+        "torch": (cpu_kernels.torch_silu_mul, torch_greedy),
     }
     ms: dict[str, list[float]] = {name: [] for name in sides}
     for block in range(blocks):

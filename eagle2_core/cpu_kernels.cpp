@@ -1,7 +1,7 @@
 // Decoding attention on a CPU in bf16 and fp32; also RoPE with the cache write, the residual
-// add with its RMSNorm, and the greedy token of each row of logits. Compiled on first use
-// by cpu_kernels.py (torch's cpp_extension, -march=native); that module's docstring says
-// why each exists.
+// add with its RMSNorm, the greedy token of each row of logits, and the MLP's SiLU with its
+// product (bf16). Compiled on first use by cpu_kernels.py (torch's cpp_extension,
+// -march=native); that module's docstring says why each exists.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>

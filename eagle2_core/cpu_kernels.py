@@ -1,6 +1,6 @@
 """Attention for decoding on a CPU (bf16 and fp32), RoPE with the cache write, the
-residual add with its RMSNorm, and the greedy token of each row of logits, in C++
-(cpu_kernels.cpp).
+residual add with its RMSNorm, the greedy token of each row of logits, and (in bf16) the
+MLP's SiLU with its product, in C++ (cpu_kernels.cpp).
 
 A decoding step attends a few new tokens per row (one, or a draft tree's nodes) over that
 row's cache. torch's CPU kernels do this badly: in bf16 its flash kernel took 14.5 ms a
@@ -179,6 +179,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     polynomial). fp32 keeps torch's ops: its greedy output stays that of `generate`."""
     if gate_up.dtype == torch.bfloat16 and norms(gate_up):
         return kernel().silu_mul(gate_up)
+    return torch_silu_mul(gate_up)
+
+
+def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in torch's own ops: what `silu_mul` does without the kernel."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 

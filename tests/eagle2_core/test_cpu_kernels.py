@@ -47,6 +47,7 @@ def test_silu_mul_is_torchs_within_a_bf16_ulp(dtype):
     gate_up[0, 0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
     gate, up = gate_up.chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
+    assert torch.equal(cpu_kernels.torch_silu_mul(gate_up), want)
     got = cpu_kernels.silu_mul(gate_up)
     assert got.dtype == dtype and got.shape == want.shape
     if dtype == torch.float32:
