@@ -37,12 +37,18 @@ def _names_backend(source: Path | str) -> bool:
     )
 
 
-@lru_cache(maxsize=8)
 def load_tokenizer(
     source: Path | str, *, allow_download: bool = False, trust_remote_code: bool = False
 ) -> Any:
     """transformers' tokenizer of a model directory or Hub id (OSError where it cannot);
-    callers share the object and must not change it."""
+    callers share the object and must not change it. One load per source and options
+    however they are spelled: lru_cache keys `f(x)` and `f(x, flag=False)` apart, and job
+    creation and the model load each parsed it (0.1-0.2 s of every `run`)."""
+    return _load(source, allow_download, trust_remote_code)
+
+
+@lru_cache(maxsize=8)
+def _load(source: Path | str, allow_download: bool, trust_remote_code: bool) -> Any:
     if _names_backend(source):
         from transformers import TokenizersBackend
 

@@ -91,3 +91,11 @@ def test_loading_a_backend_directory_skips_transformers_model_configs(
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-2:] == ["2", "False"]
+
+
+def test_one_load_however_the_options_are_spelled(tmp_path: Path) -> None:
+    """Job creation calls load_tokenizer(source), the model load spells the options out:
+    both get the same object, parsed once."""
+    directory = saved_tiny(tmp_path / "model")
+    first = load_tokenizer(directory)
+    assert load_tokenizer(directory, allow_download=False, trust_remote_code=False) is first
