@@ -80,6 +80,15 @@ class Engine:
         self.calibration = Calibration()
         self._costs: CostModel | None = None
 
+    def with_head(
+        self, draft_head: DraftHead | Eagle3Head, vocab: DraftVocab | None = None
+    ) -> Engine:
+        """The same target with another head of the same shape (a job's newer version):
+        the cost table carries over, the confidence calibration starts afresh."""
+        engine = Engine(self.target, draft_head, vocab)
+        engine._costs = self._costs
+        return engine
+
     def costs(
         self,
         batch_size: int = DEFAULT_BATCH_SIZE,

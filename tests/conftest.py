@@ -132,6 +132,7 @@ def _identity(request_row: dict[str, Any]) -> dict[str, Any]:
         "mode": "eagle2",
         "model": "tiny-llama",
         "draft": "tiny-eagle",
+        "head_version": 0,
         "temperature": 0.0,
         "top_p": 1.0,
     }

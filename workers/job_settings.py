@@ -20,6 +20,14 @@ DEFAULT_SHARD_SIZE = 512
 # says otherwise (--max-attempts); workers/shards.py enforces it.
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_DTYPE = "auto"  # each device's best number format (eagle2_core/precision.py)
+# --adapt-draft's first fine-tuning when --adapt-after is not given: after this many
+# finished completions, or ADAPT_AFTER_SHARE of the job if that is fewer, but never fewer
+# than ADAPT_AFTER_MIN (too few answers teach a head nothing). Each later round waits for
+# ADAPT_GROWTH times the data of the last one.
+ADAPT_AFTER = 2000
+ADAPT_AFTER_SHARE = 0.05
+ADAPT_AFTER_MIN = 200
+ADAPT_GROWTH = 4
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,8 @@ class JobSettings:
     n: int = 1  # completions of a line that does not say
     dtype: str = DEFAULT_DTYPE  # the number format workers decode in
     max_attempts: int = DEFAULT_MAX_ATTEMPTS  # lost attempts before a shard is given up
+    adapt_draft: bool = False  # fine-tune the draft head on the job's own outputs as it runs
+    adapt_after: int | None = None  # completions before the first round (None: adapt_first)
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> JobSettings:
@@ -45,6 +55,8 @@ class JobSettings:
             n=params.get("n", 1),
             dtype=params.get("dtype", DEFAULT_DTYPE),
             max_attempts=params.get("max_attempts", DEFAULT_MAX_ATTEMPTS),
+            adapt_draft=params.get("adapt_draft", False),
+            adapt_after=params.get("adapt_after"),
         )
 
     def to_params(self, **notes: Any) -> dict[str, Any]:
@@ -56,6 +68,8 @@ class JobSettings:
             "n": (self.n, 1),
             "dtype": (self.dtype, DEFAULT_DTYPE),
             "max_attempts": (self.max_attempts, DEFAULT_MAX_ATTEMPTS),
+            "adapt_draft": (self.adapt_draft, False),
+            "adapt_after": (self.adapt_after, None),
         }
         return {
             **self.decode,
@@ -63,6 +77,14 @@ class JobSettings:
             **{key: value for key, (value, default) in optional.items() if value != default},
             **notes,
         }
+
+    def adapt_first(self, n_expected: int) -> int:
+        """Finished completions before the first fine-tuning round (--adapt-after, else
+        ADAPT_AFTER or ADAPT_AFTER_SHARE of the job, whichever is fewer, at least
+        ADAPT_AFTER_MIN)."""
+        if self.adapt_after is not None:
+            return self.adapt_after
+        return max(ADAPT_AFTER_MIN, min(ADAPT_AFTER, int(n_expected * ADAPT_AFTER_SHARE)))
 
     def decode_for(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         """One sample's decode settings: the defaults < the job's < its line's overrides."""

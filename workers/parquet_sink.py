@@ -59,6 +59,7 @@ SAMPLE_SCHEMA = pa.schema(
         pa.field("mode", pa.string(), nullable=False),
         pa.field("model", pa.string(), nullable=False),
         pa.field("draft", pa.string()),
+        pa.field("head_version", pa.int32()),
         pa.field("temperature", pa.float64(), nullable=False),
         pa.field("top_p", pa.float64(), nullable=False),
         pa.field("seed", pa.int64()),

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Double,
@@ -23,6 +24,7 @@ from sqlalchemy import (
     ForeignKeyConstraint,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -180,6 +182,9 @@ class Sample(Base):
     mode: Mapped[str] = mapped_column(String(16))
     model: Mapped[str] = mapped_column(String(255))
     draft: Mapped[str | None] = mapped_column(String(255))
+    # Which of the job's draft heads drafted it: 0 the one it started with, N the job's
+    # head version N (--adapt-draft, table head_versions); NULL without a draft.
+    head_version: Mapped[int | None] = mapped_column(Integer)
     temperature: Mapped[float] = mapped_column(Double)
     top_p: Mapped[float] = mapped_column(Double)
     seed: Mapped[int | None] = mapped_column(BigInteger)
@@ -200,6 +205,28 @@ class Sample(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class HeadVersion(Base):
+    """A draft head the job trained on its own outputs (--adapt-draft): every attempt,
+    with the tau of the head before it and its own on the job's held-out prompts. Only a
+    published one (it beat the head before it) carries its files, and workers switch to
+    the newest published at their next shard. Rows are written once, never changed."""
+
+    __tablename__ = "head_versions"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    published: Mapped[bool] = mapped_column(Boolean)
+    based_on: Mapped[int] = mapped_column(Integer)  # the version it was fine-tuned from
+    train_completions: Mapped[int] = mapped_column(Integer)  # the job's ok samples then
+    tau_before: Mapped[float | None] = mapped_column(Double)
+    tau_after: Mapped[float | None] = mapped_column(Double)
+    eval_prompts: Mapped[int] = mapped_column(Integer)
+    train_s: Mapped[float] = mapped_column(Double)
+    sha256: Mapped[str | None] = mapped_column(String(64))  # of `files`
+    files: Mapped[bytes | None] = mapped_column(LargeBinary)  # the head's folder, as a tar
+
+
 class RejectedLine(Base):
     """An input line that failed validation, kept so the user can fix and resubmit it."""
 
@@ -217,6 +244,7 @@ prompts_t: Table = Prompt.__table__  # type: ignore[assignment]
 shards_t: Table = Shard.__table__  # type: ignore[assignment]
 samples_t: Table = Sample.__table__  # type: ignore[assignment]
 rejected_lines_t: Table = RejectedLine.__table__  # type: ignore[assignment]
+head_versions_t: Table = HeadVersion.__table__  # type: ignore[assignment]
 
 # The output row's field names, in table order (Parquet and exports use the same).
 SAMPLE_FIELDS: tuple[str, ...] = tuple(samples_t.columns.keys())

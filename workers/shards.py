@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, InternalError, OperationalError
 
 from workers import db
+from workers.head_versions import follow_newest
 from workers.heartbeat import Heartbeat, heartbeat_period, silent_since, stall_after
 from workers.job_settings import JobSettings
 from workers.parquet_sink import write_shard_parquet
@@ -174,7 +175,7 @@ def process_shard(
     if job["state"] == "queued":
         db.set_job_state(db_engine, job_id, "running", expect=["queued"])
     params = job["params"] or {}
-    max_attempts = JobSettings.from_params(params).max_attempts
+    settings = JobSettings.from_params(params)
     origin = RowOrigin(job_id, shard, worker, device)
     try:
         with Heartbeat(db_engine, job_id, shard, heartbeat_period()):
@@ -186,15 +187,17 @@ def process_shard(
                 )
                 for row in pending
             )
-            if lost["lost_attempts"] >= max_attempts:
+            if lost["lost_attempts"] >= settings.max_attempts:
                 given_up = ShardGivenUp(
                     f"gave up after {lost['lost_attempts']} lost attempts (max_attempts "
-                    f"{max_attempts}); the last: {lost['error']}"
+                    f"{settings.max_attempts}); the last: {lost['error']}"
                 )
                 rows = list(decoder.failed_rows(requests, params, origin, given_up))
                 tally.failed = len(rows)
                 tally.stored = _retrying(db.insert_samples, db_engine, rows)
             else:
+                if decoder.head_version is not None:
+                    follow_newest(db_engine, decoder, job_id, settings.adapt_draft)
                 samples = decoder.decode_many(requests, params, origin)
                 if not _store(db_engine, job_id, samples, len(pending), tally, on_progress):
                     return cancel()

@@ -19,7 +19,7 @@ from workers import db
 from workers.schema import jobs_t
 from workers.settings import load_settings
 
-TABLES = {"jobs", "requests", "prompts", "shards", "samples", "rejected_lines"}
+TABLES = {"jobs", "requests", "prompts", "shards", "samples", "rejected_lines", "head_versions"}
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.integration)])
@@ -75,7 +75,7 @@ def test_upgrade_from_empty_then_models_match_migrations(empty_url):
     try:
         assert TABLES <= set(inspect(engine).get_table_names())
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0006"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0007"
         indexes = {ix["name"] for ix in inspect(engine).get_indexes("samples")}
         assert "ix_samples_job_id_shard_line_no" in indexes
     finally:

@@ -4,7 +4,13 @@ their defaults stay out of the stored params (so `run` still resumes older jobs)
 from __future__ import annotations
 
 from eagle2_core.config import JOB_DECODE_KEYS
-from workers.job_settings import DECODE_DEFAULTS, DEFAULT_SHARD_SIZE, JobSettings
+from workers.job_settings import (
+    ADAPT_AFTER,
+    ADAPT_AFTER_MIN,
+    DECODE_DEFAULTS,
+    DEFAULT_SHARD_SIZE,
+    JobSettings,
+)
 
 
 def test_defaults_stay_out_of_the_params_and_read_back_as_defaults() -> None:
@@ -16,7 +22,7 @@ def test_defaults_stay_out_of_the_params_and_read_back_as_defaults() -> None:
 
 
 def test_every_setting_round_trips_and_notes_are_not_settings() -> None:
-    settings = JobSettings({"max_new_tokens": 9}, 7, "Be brief.", 3, "bf16", 5)
+    settings = JobSettings({"max_new_tokens": 9}, 7, "Be brief.", 3, "bf16", 5, True, 300)
     params = settings.to_params(input_size=10, resume_from="old")
     assert params == {
         "max_new_tokens": 9,
@@ -25,6 +31,8 @@ def test_every_setting_round_trips_and_notes_are_not_settings() -> None:
         "n": 3,
         "dtype": "bf16",
         "max_attempts": 5,
+        "adapt_draft": True,
+        "adapt_after": 300,
         "input_size": 10,
         "resume_from": "old",
     }
@@ -39,3 +47,11 @@ def test_a_sample_takes_defaults_then_the_job_then_its_line() -> None:
     assert decode["seed"] == DECODE_DEFAULTS.seed  # unset in the job: the default
     assert settings.greedy({"temperature": 0}) and not settings.greedy({})
     assert JobSettings().greedy({})
+
+
+def test_the_first_adaptation_waits_for_a_share_of_the_job_within_bounds() -> None:
+    adapting = JobSettings(adapt_draft=True)
+    assert adapting.adapt_first(1_000) == ADAPT_AFTER_MIN  # 5% is 50: too few to learn from
+    assert adapting.adapt_first(10_000) == 500
+    assert adapting.adapt_first(1_000_000) == ADAPT_AFTER
+    assert JobSettings(adapt_draft=True, adapt_after=7).adapt_first(1_000_000) == 7

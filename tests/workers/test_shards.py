@@ -39,6 +39,9 @@ class Decoder:
         self.inner, self.after, self.action = inner, after, action
         self.decoded: list[str] = []
 
+    def __getattr__(self, name: str):  # the rest (head_version, use_head ...) is the real one's
+        return getattr(self.inner, name)
+
     def decode_many(self, requests, *args):
         for row in self.inner.decode_many(requests, *args):
             if self.after is not None and len(self.decoded) == self.after:
