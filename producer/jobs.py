@@ -71,6 +71,8 @@ def make_spec(
     n: int = 1,
     dtype: str = DEFAULT_DTYPE,
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    adapt_draft: bool = False,
+    adapt_after: int | None = None,
     **params: Any,
 ) -> JobSpec:
     """Check the options together; raises JobError with the reason.
@@ -118,5 +120,13 @@ def make_spec(
         raise JobError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_attempts < 1:
         raise JobError(f"--max-attempts must be >= 1, got {max_attempts}")
-    settings = JobSettings(params, shard_size, system, n, dtype, max_attempts)
+    if adapt_draft and mode == "vanilla":
+        raise JobError("--adapt-draft trains the draft head: it needs --mode eagle2 or eagle1")
+    if adapt_after is not None and not adapt_draft:
+        raise JobError("--adapt-after sets when --adapt-draft starts: pass --adapt-draft too")
+    if adapt_after is not None and adapt_after < 1:
+        raise JobError(f"--adapt-after must be >= 1, got {adapt_after}")
+    settings = JobSettings(
+        params, shard_size, system, n, dtype, max_attempts, adapt_draft, adapt_after
+    )
     return JobSpec(model, draft, mode, settings)

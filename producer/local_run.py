@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,8 +84,11 @@ def _announce_measuring(path: Path) -> None:
     )
 
 
-def _decode(engine: Engine, decoder: Any, job_id: str, out: Path) -> None:
-    """process_shard over every shard with missing samples, one progress bar for all."""
+def _decode(
+    engine: Engine, decoder: Any, job_id: str, out: Path, adapt: Callable[[], None]
+) -> None:
+    """process_shard over every shard with missing samples, one progress bar for all;
+    `adapt()` before each shard (a draft-head round where one is due)."""
     from workers.shards import process_shard
 
     job = get_job(engine, job_id)
@@ -109,6 +113,7 @@ def _decode(engine: Engine, decoder: Any, job_id: str, out: Path) -> None:
         for shard in missing_shards(engine, job_id):
             # One process runs the job: a shard still running was left by an earlier one
             # that died, a lost attempt; Ctrl-C is not one.
+            adapt()
             try:
                 result = process_shard(
                     engine, decoder, job_id, shard, out, worker, on_progress=progress, lost_after=0
@@ -118,6 +123,25 @@ def _decode(engine: Engine, decoder: Any, job_id: str, out: Path) -> None:
                 raise
             if result.state == "cancelled":
                 break
+
+
+def _adapt(engine: Engine, database_url: str, job_id: str, out: Path, device: str) -> None:
+    """--adapt-draft: a fine-tuning round between shards where one is due, its working
+    files under OUT/_adapt/<job> (the leading _ keeps Parquet readers of OUT out)."""
+    from producer.adapt import adapt_round, round_due
+
+    due = round_due(engine, job_id)
+    if due is None:
+        return
+    print(
+        f"\n--adapt-draft: fine-tuning the draft head on the job's first {due}+ completions",
+        file=sys.stderr,
+        flush=True,
+    )
+    done = adapt_round(
+        engine, database_url, get_job(engine, job_id), out / "_adapt" / job_id, device
+    )
+    print(f"--adapt-draft: {done.describe()}", file=sys.stderr, flush=True)
 
 
 def run_job(
@@ -155,8 +179,13 @@ def run_job(
         samples = min(get_job(engine, job_id)["n_expected"], spec.settings.shard_size)
         rows = min(decoder.rows_for(samples), samples)
         print(f"decoding up to {rows} sequences at once", file=sys.stderr, flush=True)
+
+        def adapt() -> None:
+            if spec.settings.adapt_draft:
+                _adapt(engine, database_url, job_id, out, device)
+
         try:
-            _decode(engine, decoder, job_id, out)
+            _decode(engine, decoder, job_id, out, adapt)
         except KeyboardInterrupt:
             raise Interrupted(job_id) from None
         status = job_status(engine, job_id)  # first: it brings the job row's state up to date

@@ -50,3 +50,26 @@ def iter_job_answers(engine: Engine, job_id: str) -> Iterator[dict[str, Any]]:
                     "turn_outputs": [unstored(t) for t in row["turn_outputs"] or []],
                     "finish_reason": row["finish_reason"],
                 }
+
+
+def iter_job_prompts(engine: Engine, job_id: str) -> Iterator[tuple[str, list[dict]]]:
+    """(request id, messages of its first turn, system prompt included) of every request
+    in the job's manifest, decoded or not, once per request, in line order: what
+    --adapt-draft measures a head on (the held-out ones)."""
+    stmt = (
+        select(requests_t.c.sample_id, requests_t.c.line_no, requests_t.c.payload)
+        .where(requests_t.c.job_id == job_id)
+        .order_by(requests_t.c.line_no, requests_t.c.sample_id)
+    )
+    with engine.connect() as conn:
+        result = conn.execution_options(stream_results=True).execute(stmt).mappings()
+        while batch := [dict(row) for row in result.fetchmany(BATCH)]:
+            for row in with_shared_prompts(conn, job_id, batch):
+                payload = {
+                    **row["payload"],
+                    "sample_id": row["sample_id"],
+                    "line_no": row["line_no"],
+                }
+                request = Request.from_payload(payload)
+                if request.choice_index == 0:
+                    yield request.line_id, request.messages

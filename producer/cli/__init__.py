@@ -28,6 +28,7 @@ COMMANDS = {
     "draft-vocab": "vocab:draft_vocab",
     "models": "models:models",
     "bench": "bench:bench",
+    "adapt": "adapt:adapt",
 }
 
 

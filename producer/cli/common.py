@@ -75,6 +75,8 @@ def spec_from_options(options: dict[str, Any]) -> JobSpec:
             n=options["n"],
             dtype=options["dtype"],
             max_attempts=options["max_attempts"],
+            adapt_draft=options["adapt_draft"],
+            adapt_after=options["adapt_after"],
         )
     except JobError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -296,6 +296,23 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "as failed, with the last loss as their error, and the job ends.",
         ),
         click.option(
+            "--adapt-draft",
+            is_flag=True,
+            help="Let the job teach its own drafter: once --adapt-after completions are "
+            "stored, fine-tune the draft head on the job's outputs, measure both heads' "
+            "tau on the job's held-out prompts, and switch to the new one at the next "
+            "shard if it wins; again after 4x the data while it keeps winning. Outputs "
+            "never change; each row records its head_version. `run` trains between "
+            "shards; for `submit`, run `eagle2-batch adapt JOB` beside the workers.",
+        ),
+        click.option(
+            "--adapt-after",
+            type=click.IntRange(1),
+            default=None,
+            help="Completions before the first fine-tuning (default: 5% of the job, "
+            "at least 200, at most 2000).",
+        ),
+        click.option(
             "--strict",
             is_flag=True,
             help="Fail if any line is bad, before anything is written or run "

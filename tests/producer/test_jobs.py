@@ -286,6 +286,14 @@ def test_spec_checks(tmp_path: Path) -> None:
     rel = make_spec(model="m", draft=str(head.relative_to(tmp_path)), mode="eagle1", shard_size=1)
     assert rel.draft == str(head.relative_to(tmp_path))  # not a path from here: kept as given
     assert make_spec(model="m", draft=str(head), mode="eagle2", shard_size=1).draft == str(head)
+    with pytest.raises(JobError, match="--adapt-draft trains the draft head"):
+        make_spec(model="m", draft=None, mode="vanilla", shard_size=1, adapt_draft=True)
+    with pytest.raises(JobError, match="pass --adapt-draft too"):
+        make_spec(model="m", draft=str(head), mode="eagle2", shard_size=1, adapt_after=5)
+    adapting = make_spec(
+        model="m", draft=str(head), mode="eagle2", shard_size=1, adapt_draft=True, adapt_after=5
+    )
+    assert adapting.settings.adapt_draft and adapting.settings.adapt_after == 5
     with pytest.raises(JobError, match="cannot load the tokenizer"):
         tokenizer.context_check(str(tmp_path / "missing-model"))
 
