@@ -15,7 +15,7 @@ from typing import Any
 
 from eagle2_core.registry import draft_label
 
-GROUP_COLUMNS = ("category", "shard", "finish_reason")
+GROUP_COLUMNS = ("category", "shard", "finish_reason", "head_version")
 # The fields stats reads: everything but the (large) output text.
 STATS_COLUMNS = (
     *GROUP_COLUMNS,
@@ -245,6 +245,32 @@ def format_stats(job: Mapping[str, Any], stats: Mapping[str, Any], by: str | Non
     return "\n".join(lines)
 
 
+def format_head_versions(attempts: list[Mapping[str, Any]]) -> str:
+    """--adapt-draft's rounds: each version's data, tau before and after, and outcome."""
+    if not attempts:
+        return "draft head versions (--adapt-draft): none yet; samples so far use version 0"
+    table = [("version", "from", "completions", "tau before", "tau after", "prompts", "train s")]
+    table += [
+        (
+            str(a["version"]),
+            str(a["based_on"]),
+            str(a["train_completions"]),
+            _fmt(a["tau_before"]),
+            _fmt(a["tau_after"]),
+            str(a["eval_prompts"]),
+            f"{a['train_s']:.0f}",
+        )
+        for a in attempts
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = ["draft head versions (--adapt-draft; tau on held-out prompts of the job):"]
+    for row, attempt in zip(table, [None, *attempts], strict=True):
+        verdict = "" if attempt is None else ("published" if attempt["published"] else "kept old")
+        cells = [c.rjust(w) for c, w in zip(row, widths, strict=True)]
+        lines.append("  " + "  ".join(cells) + ("  " + verdict if verdict else ""))
+    return "\n".join(lines)
+
+
 def job_draft(job: Mapping[str, Any]) -> str | None:
     """The job's head as its rows name it (`shipped:MODEL` for the package's head)."""
     return draft_label(job["model"], job["draft"], job["mode"])
@@ -308,6 +334,40 @@ def plot_stats(
     ax_tau.set_title(f"tau by {by} (box: quartiles, triangle: mean)")
     ax_tau.grid(axis="y", alpha=0.3)
 
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_adaptation(path: Path, title: str, points: list[tuple[Any, float, int]]) -> None:
+    """PNG of tau over an adapting job's completions, in the order they were stored
+    ((stored at, tau, head version) per ok sample): a moving mean over 2% of the job,
+    with a dashed line where a new head version starts drafting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sorted(points, key=lambda p: p[0])
+    taus = [tau for _, tau, _ in points]
+    window = max(1, len(taus) // 50)
+    sums = [0.0]
+    for tau in taus:
+        sums.append(sums[-1] + tau)
+    moving = [
+        (sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window) for i in range(len(taus))
+    ]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.plot(range(1, len(taus) + 1), moving, color="#4C72B0", label=f"tau, mean of {window}")
+    for i in range(1, len(points)):
+        if points[i][2] != points[i - 1][2]:
+            ax.axvline(i + 0.5, color="#C44E52", linestyle="--")
+            ax.annotate(f"v{points[i][2]}", (i + 0.5, max(moving)), color="#C44E52", ha="left")
+    ax.set_xlabel("completions, in the order they were stored")
+    ax.set_ylabel("mean accepted length (tau)")
+    ax.set_title(f"{title}: tau while the job adapts its draft head")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -13,11 +13,14 @@ from sqlalchemy import Engine
 from tqdm import tqdm
 
 from eagle2_core.registry import draft_label
+from producer.adapt import next_round_at
 from producer.database import as_utc
 from producer.jobs import JobError
 from workers.db import get_job, latest_job_id, refresh_job_state, sample_counts
+from workers.head_versions import newest_published
 from workers.heartbeat import silent_since, stall_after
 from workers.job_queries import completion_tokens, job_ids_with_prefix, shard_rows, stored_per_shard
+from workers.job_settings import JobSettings
 
 TERMINAL_STATES = ("completed", "failed", "cancelled")
 SHOWN_SHARDS = 20
@@ -85,6 +88,8 @@ def job_status(engine: Engine, job_id: str) -> dict[str, Any]:
     elapsed = (end - min(starts)).total_seconds() if starts else None
     rate = stored / elapsed if elapsed and stored else None
     remaining = max(job["n_expected"] - stored, 0)
+    adapting = JobSettings.from_params(job["params"]).adapt_draft
+    newest = newest_published(engine, job_id) if adapting else None
     return {
         "job_id": job_id,
         "state": state,
@@ -104,6 +109,9 @@ def job_status(engine: Engine, job_id: str) -> dict[str, Any]:
         "tokens_per_s": tokens / elapsed if elapsed and tokens else None,
         "eta_s": remaining / rate if rate and state not in TERMINAL_STATES else None,
         "shard_states": dict(Counter(s["state"] for s in shards)),
+        # --adapt-draft: the head version shards start with now (0: the job's own head)
+        "head_version": (newest[0] if newest else 0) if adapting else None,
+        "next_adaptation_at": next_round_at(engine, job) if adapting else None,
         "shards": [
             {
                 **s,
@@ -137,6 +145,13 @@ def format_status(status: dict[str, Any]) -> str:
         "shards: "
         + (", ".join(f"{n} {s}" for s, n in sorted(status["shard_states"].items())) or "none"),
     ]
+    if status["head_version"] is not None:
+        due = status["next_adaptation_at"]
+        lines.append(
+            f"draft head: version {status['head_version']} for shards that start now "
+            "(--adapt-draft; `stats` has every version's tau); "
+            + (f"next fine-tuning at {due} completions" if due else "no more fine-tuning")
+        )
     stalled = status["shard_states"].get("stalled", 0)
     if stalled:
         lines.append(
