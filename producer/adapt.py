@@ -8,7 +8,7 @@ is published (workers/head_versions.py) only if its tau is higher. The next roun
 ADAPT_GROWTH times the data, and rounds stop at the first one that does not win.
 
 Verification is exact, so a head changes how many drafted tokens are accepted, never an
-output. `run` runs a round between shards where one is due (`round_due`); `eagle2-batch
+output. `run` runs a round between shards where one is due (`between_shards`); `eagle2-batch
 adapt JOB` does the same beside a submitted job's workers. A trainer lost mid-round loses
 that round only: nothing is published until the end, in one insert.
 """
@@ -16,6 +16,7 @@ that round only: nothing is published until the end, in one insert.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +26,11 @@ from sqlalchemy import Engine
 
 from eagle2_core.registry import draft_source
 from producer.training.data import TrainingError
+from workers.adapt_schedule import round_due
 from workers.db import get_job, sample_counts
-from workers.head_versions import Attempt, head_folder, newest_published, record, versions
+from workers.head_versions import Attempt, head_folder, newest_published, record
 from workers.job_answers import iter_job_prompts
-from workers.job_settings import ADAPT_GROWTH, DECODE_DEFAULTS, JobSettings
+from workers.job_settings import DECODE_DEFAULTS
 
 # Held-out prompts a round measures both heads on (the validation split holds ~2% of a
 # job: 20 of 1,000 prompts), decoded EVAL_BATCH at a time.
@@ -63,32 +65,6 @@ class Round:
 
 def _tau(value: float | None) -> str:
     return f"{value:.2f}" if value is not None else "-"
-
-
-def next_round_at(engine: Engine, job: dict[str, Any]) -> int | None:
-    """Completions (ok samples) at which the job's next round is due, None once
-    adaptation is off or over: a round that lost, or a threshold past the job's end."""
-    settings = JobSettings.from_params(job["params"])
-    if not settings.adapt_draft or job["mode"] == "vanilla":
-        return None
-    attempts = versions(engine, job["id"])
-    if not attempts:
-        due = settings.adapt_first(job["n_expected"])
-    elif attempts[-1]["published"]:
-        due = attempts[-1]["train_completions"] * ADAPT_GROWTH
-    else:
-        return None
-    return due if due < job["n_expected"] else None
-
-
-def round_due(engine: Engine, job_id: str) -> int | None:
-    """The threshold of the job's next round where its stored completions reached it, else
-    None."""
-    job = get_job(engine, job_id)
-    due = next_round_at(engine, job) if job is not None else None
-    if due is None or sample_counts(engine, job_id)["ok"] < due:
-        return None
-    return due
 
 
 def adapt_round(
@@ -179,23 +155,39 @@ def _training(
     device: str,
     completions: int,
 ) -> Any:
-    """A round's training: `train-draft --from-job JOB --init-head HEAD` (as the command
-    line sets it up) at ROUND_LR for ROUND_EPOCHS, or MIN_ROUND_STEPS steps if more."""
-    from producer.cli.train import train_draft
-    from producer.training.pipeline import DraftTraining
+    """A round's training: `train-draft --from-job JOB --init-head HEAD` at ROUND_LR for
+    ROUND_EPOCHS, or MIN_ROUND_STEPS steps if more; train-draft's defaults otherwise."""
+    from producer.training.pipeline import DraftTraining, training_default
 
-    with train_draft.make_context("train-draft", ["--out", str(out)]) as context:
-        defaults = context.params
-    steps_per_epoch = max(1, math.ceil(completions / defaults["batch_size"]))
-    epochs = max(ROUND_EPOCHS, math.ceil(MIN_ROUND_STEPS / steps_per_epoch))
-    args = [
-        *("--epochs", str(epochs), "--lr", str(ROUND_LR)),
-        *("--model", job["model"], "--from-job", job["id"], "--db-url", database_url),
-        *("--init-head", str(head), "--arch", arch, "--out", str(out)),
-        *("--max-samples", "0", "--device", "cuda" if device.startswith("cuda") else "cpu"),
-        *("--eval-samples", "0"),  # both heads are measured by the round, on the same prompts
-    ]
-    with train_draft.make_context("train-draft", args) as context:
-        options = dict(context.params)
-    options.pop("snapshot_tokens")
-    return DraftTraining(snapshot_tokens=[], **options)
+    steps_per_epoch = max(1, math.ceil(completions / training_default("batch_size")))
+    return DraftTraining(
+        model=job["model"],
+        from_job=job["id"],
+        db_url=database_url,
+        init_head=str(head),
+        arch=arch,
+        out=out,
+        device="cuda" if device.startswith("cuda") else "cpu",
+        epochs=max(ROUND_EPOCHS, math.ceil(MIN_ROUND_STEPS / steps_per_epoch)),
+        lr=ROUND_LR,
+        max_samples=0,
+        eval_samples=0,  # both heads are measured by the round, on the same prompts
+    )
+
+
+def between_shards(engine: Engine, database_url: str, job_id: str, out: Path, device: str) -> None:
+    """`run`'s hook before each shard: a round where one is due, with progress on stderr
+    and its working files under OUT/_adapt/<job> (the leading _ keeps Parquet readers of
+    OUT out)."""
+    due = round_due(engine, job_id)
+    if due is None:
+        return
+    print(
+        f"\n--adapt-draft: fine-tuning the draft head on the job's first {due}+ completions",
+        file=sys.stderr,
+        flush=True,
+    )
+    done = adapt_round(
+        engine, database_url, get_job(engine, job_id), out / "_adapt" / job_id, device
+    )
+    print(f"--adapt-draft: {done.describe()}", file=sys.stderr, flush=True)

@@ -75,6 +75,10 @@ def _load_decoder(spec: JobSpec, device: str, batch_size: int | str | None) -> A
         raise JobError(one_line(exc)) from exc
 
 
+# (engine, database URL, job id, output folder, device): a hook run before each shard
+RoundHook = Callable[[Engine, str, str, Path, str], None]
+
+
 def _announce_measuring(path: Path) -> None:
     print(
         "measuring this machine's forward costs for --batch-size auto and --total-tokens "
@@ -125,25 +129,6 @@ def _decode(
                 break
 
 
-def _adapt(engine: Engine, database_url: str, job_id: str, out: Path, device: str) -> None:
-    """--adapt-draft: a fine-tuning round between shards where one is due, its working
-    files under OUT/_adapt/<job> (the leading _ keeps Parquet readers of OUT out)."""
-    from producer.adapt import adapt_round, round_due
-
-    due = round_due(engine, job_id)
-    if due is None:
-        return
-    print(
-        f"\n--adapt-draft: fine-tuning the draft head on the job's first {due}+ completions",
-        file=sys.stderr,
-        flush=True,
-    )
-    done = adapt_round(
-        engine, database_url, get_job(engine, job_id), out / "_adapt" / job_id, device
-    )
-    print(f"--adapt-draft: {done.describe()}", file=sys.stderr, flush=True)
-
-
 def run_job(
     input_path: Path,
     spec: JobSpec,
@@ -154,9 +139,12 @@ def run_job(
     batch_size: int | str | None = None,
     new_job: bool = False,
     strict: bool = False,
+    between_shards: RoundHook | None = None,
 ) -> LocalRun:
     """Create (or, unless `new_job`, resume) the job of INPUT and decode it all here,
-    with progress on stderr. User errors raise JobError; Ctrl-C raises Interrupted."""
+    with progress on stderr. User errors raise JobError; Ctrl-C raises Interrupted.
+    An --adapt-draft job calls `between_shards` before each shard (`run` passes
+    producer.adapt.between_shards; without it the job decodes with its first head)."""
     prepare_database(database_url)
     with open_database(database_url) as engine:
         job = None if new_job else unfinished_job(engine, input_path, spec)
@@ -181,8 +169,8 @@ def run_job(
         print(f"decoding up to {rows} sequences at once", file=sys.stderr, flush=True)
 
         def adapt() -> None:
-            if spec.settings.adapt_draft:
-                _adapt(engine, database_url, job_id, out, device)
+            if spec.settings.adapt_draft and between_shards is not None:
+                between_shards(engine, database_url, job_id, out, device)
 
         try:
             _decode(engine, decoder, job_id, out, adapt)

@@ -13,9 +13,9 @@ from sqlalchemy import Engine
 from tqdm import tqdm
 
 from eagle2_core.registry import draft_label
-from producer.adapt import next_round_at
 from producer.database import as_utc
 from producer.jobs import JobError
+from workers.adapt_schedule import next_round_at
 from workers.db import get_job, latest_job_id, refresh_job_state, sample_counts
 from workers.head_versions import newest_published
 from workers.heartbeat import silent_since, stall_after

@@ -46,7 +46,8 @@ def adapt(job: str, db_url: str | None, work: Path | None, device: str, interval
       eagle2-batch submit prompts.jsonl --adapt-draft
       eagle2-batch adapt 3f2c... --device cuda
     """
-    from producer.adapt import adapt_round, next_round_at, round_due
+    from producer.adapt import adapt_round
+    from workers.adapt_schedule import next_round_at, round_due
 
     settings = settings_for(db_url, None)
     with database(settings.database_url) as engine:

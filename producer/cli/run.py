@@ -58,6 +58,10 @@ def run(
             plan = plan_job(input_path, spec)
             click.echo(plan.dry_run(input_path, spec.settings.shard_size, as_json=False))
             return
+        # only an --adapt-draft job needs the training code
+        between_shards = None
+        if spec.settings.adapt_draft:
+            from producer.adapt import between_shards
         done = run_job(
             input_path,
             spec,
@@ -67,6 +71,7 @@ def run(
             batch_size=batch_size,
             new_job=new_job,
             strict=options["strict"],
+            between_shards=between_shards,
         )
     click.echo(format_run(done))
     exit_for(done.status)

@@ -8,12 +8,11 @@ from typing import Any
 
 import click
 
-from eagle2_core.config import DRAFT_VOCAB_SIZE
 from eagle2_core.registry import DEFAULT_MODEL
 from producer.cli.common import user_errors
 from producer.cli.options import choice_option, count_option, folder_option
 from producer.training.model_card import format_tau
-from producer.training.pipeline import DraftTraining, train_draft_head
+from producer.training.pipeline import DraftTraining, train_draft_head, training_default
 
 _JSONL = click.Path(exists=True, dir_okay=False, path_type=Path)
 
@@ -86,42 +85,63 @@ def _token_counts(text: str) -> list[int]:
 )
 @count_option(
     "--max-samples",
-    512,
+    training_default("max_samples"),
     "Training prompts to answer and learn from (a fixed hash-ordered pick); 0 with "
     "--conversations: PROMPTS only give the validation answers.",
     minimum=0,
 )
 @count_option(
-    "--val-samples", 32, "Held-out validation prompts to answer and measure on.", minimum=0
+    "--val-samples",
+    training_default("val_samples"),
+    "Held-out validation prompts to answer and measure on.",
+    minimum=0,
 )
-@count_option("--epochs", 2, "Passes over the training conversations.")
+@count_option("--epochs", training_default("epochs"), "Passes over the training conversations.")
 @count_option(
-    "--max-new-tokens", 128, "Longest answer the target writes (and the length of the tau check)."
+    "--max-new-tokens",
+    training_default("max_new_tokens"),
+    "Longest answer the target writes (and the length of the tau check).",
 )
 @click.option(
     "--temperature",
-    default=0.0,
+    default=training_default("temperature"),
     show_default=True,
     type=click.FloatRange(0),
     help="Answer sampling temperature; 0 (greedy) trains on the contexts that T=0 decoding visits.",
 )
-@count_option("--batch-size", 8, "Conversations per optimizer step (padded to the longest).")
+@count_option(
+    "--batch-size",
+    training_default("batch_size"),
+    "Conversations per optimizer step (padded to the longest).",
+)
 @count_option(
     "--answer-batch-size",
-    16,
+    training_default("answer_batch_size"),
     "Prompts the target answers at once (batched decoding; answers do not change).",
 )
 @click.option(
     "--lr",
-    default=3e-4,
+    default=training_default("lr"),
     show_default=True,
     type=click.FloatRange(min=0, min_open=True),
     help="Peak AdamW learning rate (betas 0.9/0.95), cosine-decayed to 0.",
 )
-@count_option("--warmup-steps", 20, "Steps of linear learning-rate warm-up.", minimum=0)
-@count_option("--max-len", 1024, "Conversations are cut to this many tokens.", minimum=2)
 @count_option(
-    "--checkpoint-every", 100, "Steps between checkpoints in OUT/checkpoints (one more at the end)."
+    "--warmup-steps",
+    training_default("warmup_steps"),
+    "Steps of linear learning-rate warm-up.",
+    minimum=0,
+)
+@count_option(
+    "--max-len",
+    training_default("max_len"),
+    "Conversations are cut to this many tokens.",
+    minimum=2,
+)
+@count_option(
+    "--checkpoint-every",
+    training_default("checkpoint_every"),
+    "Steps between checkpoints in OUT/checkpoints (one more at the end).",
 )
 @click.option(
     "--eval-prompts",
@@ -130,7 +150,10 @@ def _token_counts(text: str) -> list[int]:
     "question.jsonl); default: the validation prompts.",
 )
 @count_option(
-    "--eval-samples", 10, "How many prompts the tau check decodes (0: skip it).", minimum=0
+    "--eval-samples",
+    training_default("eval_samples"),
+    "How many prompts the tau check decodes (0: skip it).",
+    minimum=0,
 )
 @choice_option(
     "--device", ["cpu", "cuda"], "cpu", "Where features are extracted and the head is trained."
@@ -138,13 +161,13 @@ def _token_counts(text: str) -> list[int]:
 @choice_option(
     "--precision",
     ["auto", "bf16", "fp32"],
-    "auto",
+    training_default("precision"),
     "bf16: autocast around the head (fp32 master weights); auto: bf16 on cuda, fp32 on cpu "
     "(CPUs without bf16 matrix units run bf16 autocast far slower: 30x measured on AVX2).",
 )
 @click.option(
     "--seed",
-    default=0,
+    default=training_default("seed"),
     show_default=True,
     type=int,
     help="Seeds answer sampling, the head's init, data order and input noise.",
@@ -158,7 +181,7 @@ def _token_counts(text: str) -> list[int]:
 )
 @count_option(
     "--draft-vocab-size",
-    DRAFT_VOCAB_SIZE,
+    training_default("draft_vocab_size"),
     "The head drafts from the N tokens most frequent in its training answers (written "
     "beside it as draft_vocab.safetensors); 0: the full vocabulary.",
     minimum=0,
@@ -166,14 +189,14 @@ def _token_counts(text: str) -> list[int]:
 @choice_option(
     "--arch",
     ["eagle2", "eagle3"],
-    "eagle2",
+    training_default("arch"),
     "eagle2: the EAGLE-1/2 head (fc over [embedding, final feature]); eagle3: features "
     "fused from three target layers, its own lm_head over the draft vocabulary, trained "
     "with training-time test (saved in the public EAGLE-3 layout).",
 )
 @count_option(
     "--ttt-steps",
-    3,
+    training_default("ttt_steps"),
     "--arch eagle3: draft steps unrolled per batch (the reference uses 7; each costs a "
     "head forward).",
 )

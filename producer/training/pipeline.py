@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle2_core.config import DRAFT_VOCAB_SIZE
 from eagle2_core.registry import ModelLoadError
 from producer.database import open_database, safe_url
 from producer.jobs import JobError, make_spec
@@ -45,33 +46,35 @@ from workers.settings import load_settings
 
 @dataclass(frozen=True, kw_only=True)
 class DraftTraining:
-    """What to train on and how: the options of `eagle2-batch train-draft`."""
+    """What to train on and how: the options of `eagle2-batch train-draft`, whose
+    defaults are these fields' (`training_default`)."""
 
     model: str
-    prompts: Path | None  # prompts the target answers itself
-    conversations: tuple[Path, ...]  # conversations that have answers
-    max_conversations: int  # training conversations per file (0: all)
-    snapshot_tokens: list[int]  # answer-token counts at which a copy of the head is kept
     out: Path
-    max_samples: int
-    val_samples: int
-    epochs: int
-    max_new_tokens: int
-    temperature: float
-    batch_size: int
-    answer_batch_size: int
-    lr: float
-    warmup_steps: int
-    max_len: int
-    checkpoint_every: int
-    eval_prompts: Path | None
-    eval_samples: int
     device: str
-    precision: str  # auto, bf16 or fp32
-    seed: int
-    init_head: str | None  # a head folder or `shipped`
-    draft_vocab_size: int  # 0: the full vocabulary
-    resume: bool
+    prompts: Path | None = None  # prompts the target answers itself
+    conversations: tuple[Path, ...] = ()  # conversations that have answers
+    max_conversations: int = 0  # training conversations per file (0: all)
+    # answer-token counts at which a copy of the head is kept
+    snapshot_tokens: list[int] = field(default_factory=list)
+    max_samples: int = 512
+    val_samples: int = 32
+    epochs: int = 2
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    batch_size: int = 8
+    answer_batch_size: int = 16
+    lr: float = 3e-4
+    warmup_steps: int = 20
+    max_len: int = 1024
+    checkpoint_every: int = 100
+    eval_prompts: Path | None = None
+    eval_samples: int = 10
+    precision: str = "auto"  # auto, bf16 or fp32
+    seed: int = 0
+    init_head: str | None = None  # a head folder or `shipped`
+    draft_vocab_size: int = DRAFT_VOCAB_SIZE  # 0: the full vocabulary
+    resume: bool = False
     arch: str = "eagle2"  # eagle2: the EAGLE-1/2 head; eagle3: fused layers + training-time test
     ttt_steps: int = 3  # eagle3: draft steps unrolled per batch
     eagle3_features: bool = False  # store EAGLE-3 layer states even for an EAGLE-2 head
@@ -89,6 +92,11 @@ class DraftTraining:
             self.device,
             self.answer_batch_size,
         )
+
+
+def training_default(name: str) -> Any:
+    """train-draft's default for option `name` (one place for the CLI and --adapt-draft)."""
+    return DraftTraining.__dataclass_fields__[name].default
 
 
 @dataclass(frozen=True)
