@@ -92,9 +92,8 @@ class SampleDecoder:
         self.device = device or describe_device(engine.target.device, engine.target.dtype)
         self._batch_size = batch_size
         self._auto = batch_size == AUTO
-        # which of the job's heads drafts (workers/head_versions.py): 0 the one it started
-        # with, else version N of job J, head_of = (J, N)
-        self.head_version: int | None = 0 if mode != "vanilla" else None
+        # (job, version) of the job head that drafts (workers/head_versions.py), None
+        # for the head this decoder was loaded with
         self.head_of: tuple[str, int] | None = None
         self._first_engine = engine
         self.on_measure: Callable[[Path], object] | None = None  # told before costs are measured
@@ -144,17 +143,25 @@ class SampleDecoder:
         engine = Engine(target, head, vocab)
         return cls(engine, model=model, draft=label, mode=mode, batch_size=batch_size)
 
+    @property
+    def head_version(self) -> int | None:
+        """The version each row records: 0 the head it was loaded with, N a job's head
+        version N, None without a draft."""
+        if self.mode == "vanilla":
+            return None
+        return self.head_of[1] if self.head_of is not None else 0
+
     def use_head(self, directory: Path, job_id: str, version: int) -> None:
         """Draft with the head in `directory`, job `job_id`'s head `version`, from the next
         request on (a shard boundary: never mid-shard). Outputs do not change, only how
         many drafted tokens are accepted."""
         head, vocab = load_head(self.engine.target, directory)
         self.engine = self._first_engine.with_head(head, vocab)
-        self.head_version, self.head_of = version, (job_id, version)
+        self.head_of = (job_id, version)
 
     def use_first_head(self) -> None:
         """Back to the head this decoder was loaded with (a job that does not adapt)."""
-        self.engine, self.head_version, self.head_of = self._first_engine, 0, None
+        self.engine, self.head_of = self._first_engine, None
 
     def config_for(self, request: Request, job_params: Mapping[str, Any]) -> dict[str, Any]:
         """The decode settings of one sample: defaults < job params < per-line overrides."""

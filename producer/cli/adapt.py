@@ -9,18 +9,16 @@ from pathlib import Path
 import click
 
 from producer.cli.common import database
-from producer.cli.options import choice_option, db_url_option, settings_for
+from producer.cli.options import choice_option, db_url_option, folder_option, settings_for
 from producer.status import TERMINAL_STATES, find_job
 
 
 @click.command()
 @click.argument("job")
 @db_url_option
-@click.option(
+@folder_option(
     "--work",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Folder for the rounds' answers, features and checkpoints (default: "
+    "Folder for the rounds' answers, features and checkpoints (default: "
     "OUT/_adapt/JOB under EAGLE2_OUTPUT_DIR).",
 )
 @choice_option("--device", ["cpu", "cuda"], "cpu", "Where the head is trained and measured.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -52,17 +53,19 @@ def stats(
         attempts = versions(engine, job_row["id"]) if adapting else None
         by = by or ("head_version" if adapting else None)
         group_by = by or ("category" if plot else None)
-        overall, groups = accumulate(
-            iter_samples(engine, job_row["id"], columns=STATS_COLUMNS), group_by
-        )
-        points = None
-        if adapting and plot is not None:
-            columns = ("created_at", "mean_accept_length", "head_version")
-            points = [
-                (r["created_at"], r["mean_accept_length"], r["head_version"])
-                for r in iter_samples(engine, job_row["id"], columns=columns)
-                if r["mean_accept_length"] is not None
-            ]
+        over_time = adapting and plot is not None  # tau over the job: one read for both
+        columns = (*STATS_COLUMNS, "created_at") if over_time else STATS_COLUMNS
+        points: list[tuple] = []
+
+        def rows() -> Iterator[dict]:
+            for row in iter_samples(engine, job_row["id"], columns=columns):
+                if over_time and row["mean_accept_length"] is not None:
+                    points.append(
+                        (row["created_at"], row["mean_accept_length"], row["head_version"])
+                    )
+                yield row
+
+        overall, groups = accumulate(rows(), group_by)
     finally:
         engine.dispose()
     result = summarize(overall, groups if by else {})
@@ -83,7 +86,7 @@ def stats(
         if not as_json:
             click.echo(f"\nplot written to {plot}")
     if points:
-        over_time = plot.with_name(f"{plot.stem}-adaptation{plot.suffix}")
-        plot_adaptation(over_time, plot_title(job_row), points)
+        adaptation_png = plot.with_name(f"{plot.stem}-adaptation{plot.suffix}")
+        plot_adaptation(adaptation_png, plot_title(job_row), points)
         if not as_json:
-            click.echo(f"tau over the job's completions written to {over_time}")
+            click.echo(f"tau over the job's completions written to {adaptation_png}")
