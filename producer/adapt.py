@@ -55,6 +55,14 @@ class Round:
 
     def describe(self) -> str:
         a = self.attempt
+        if a.eval_prompts == 0:
+            from eagle2_core.train.data import VALIDATION_MODULUS
+
+            return (
+                f"draft head v{self.version} not trained: none of the job's prompts is in "
+                f"the validation split (ids with sha256 % {VALIDATION_MODULUS} == 0), which "
+                "a round needs to judge a head on; kept the old head, no more rounds"
+            )
         verdict = "published" if self.published else "kept the old head"
         return (
             f"draft head v{self.version} from v{a.based_on} on {a.train_completions} "
@@ -86,6 +94,10 @@ def adapt_round(
     if current_dir is None:
         raise TrainingError("--adapt-draft: the job drafts with an untrained head")
     completions = sample_counts(engine, job["id"])["ok"]
+    prompts = held_out_prompts(engine, job["id"])
+    if not prompts:  # nothing could judge a new head: not worth minutes of training
+        attempt = Attempt(based_on, completions, None, None, 0, 0.0, head_dir=None)
+        return Round(record(engine, job["id"], attempt), False, attempt)
     training = _training(
         job,
         database_url,
@@ -96,7 +108,6 @@ def adapt_round(
         completions,
     )
     new_dir, _ = train_draft_head(training)
-    prompts = held_out_prompts(engine, job["id"])
     max_new_tokens = job["params"].get("max_new_tokens") or DECODE_DEFAULTS.max_new_tokens
     before, after = _taus(job["model"], [current_dir, new_dir], prompts, max_new_tokens, device)
     won = before is not None and after is not None and after > before

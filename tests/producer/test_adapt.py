@@ -83,6 +83,31 @@ def test_an_adapting_job_switches_heads_between_shards_and_changes_no_output(
     _assert_reported(url, adapted, rows, tmp_path / "stats.png")
 
 
+def test_a_job_without_held_out_prompts_skips_the_round_and_says_why(tmp_path: Path) -> None:
+    """No prompt in the validation split: no head could be judged, so the round records a
+    loss at once (no minutes of training for nothing) and the user reads why."""
+    model, head = save_tiny_model(tmp_path)
+    ids = [f"alpaca-{i:05d}" for i in range(26)]
+    assert not any(is_validation(i) for i in ids)
+    prompts = tmp_path / "job.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"t{7 + n}"}) + "\n"
+                               for n, i in enumerate(ids)))  # fmt: skip
+    url = f"sqlite:///{tmp_path / 'eagle2.db'}"
+    args = [str(prompts), "--model", str(model), "--draft", str(head), "--out",
+            str(tmp_path / "out"), "--db-url", url, "--max-new-tokens", "6",
+            "--shard-size", "13", "--adapt-draft", "--adapt-after", "10"]  # fmt: skip
+    result = CliRunner().invoke(main, ["run", *args])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "draft head v1 not trained: none of the job's prompts is in the validation" in (
+        result.output
+    )
+    _, rows, attempts = _outputs(url, result.output.strip().splitlines()[-1])
+    assert len(rows) == 26 and {r["head_version"] for r in rows} == {0}
+    assert len(attempts) == 1
+    assert attempts[0]["eval_prompts"] == 0 and not attempts[0]["published"]
+    assert attempts[0]["train_s"] == 0.0 and not (tmp_path / "out" / "_adapt").exists()
+
+
 def _assert_reported(url: str, job_id: str, rows: list[dict], png: Path) -> None:
     """stats gives tau per head version and the rounds, --plot the switch; status the
     version shards start with now."""
