@@ -26,14 +26,13 @@ from workers.head_versions import versions
 
 
 def job_set(prompts: Path, source: str, limit: int, path: Path) -> Path:
-    """The first `limit` prompts of `source` (by id), as a job's input file."""
+    """The first `limit` prompts of `source`, in the file's order, as a job's input file."""
     lines = []
     with prompts.open(encoding="utf-8") as lines_in:  # not splitlines: texts hold U+2028
         objs = [json.loads(line) for line in lines_in if line.strip()]
     for obj in objs:
         if obj.get("source") == source:
             lines.append({"id": obj["id"], "prompt": obj["prompt"]})
-    lines.sort(key=lambda obj: obj["id"])
     if len(lines) < limit:
         raise click.UsageError(f"{prompts} has {len(lines)} prompts of {source}, not {limit}")
     path.parent.mkdir(parents=True, exist_ok=True)
