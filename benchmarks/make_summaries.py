@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from eagle2_core.train.data import is_validation
-from producer.training.data import _rank
+from producer.training.data import selection_rank
 
 SHIPPED_STAGE3_CONVERSATIONS = 4000  # eagle2_core/heads/smollm2-135m/README.md, stage 3
 CODE_SOURCES = ("code_alpaca", "gpteacher_codegen")
@@ -36,7 +36,7 @@ INSTRUCTION = "Summarize the following text in two or three sentences.\n\n"
 def main(conversations: Path, out: Path, limit: int, min_chars: int, max_chars: int) -> None:
     with conversations.open(encoding="utf-8") as lines:  # not splitlines: texts hold U+2028
         objs = [json.loads(line) for line in lines if line.strip()]
-    objs.sort(key=lambda obj: _rank(obj["id"]))
+    objs.sort(key=lambda obj: selection_rank(obj["id"]))
     training = [o["id"] for o in objs if not is_validation(o["id"])]
     stage3 = set(training[:SHIPPED_STAGE3_CONVERSATIONS])
     picked = []

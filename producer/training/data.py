@@ -23,7 +23,9 @@ class TrainingError(JobError):
     """The head cannot be trained as asked (a bad data file, a missing head): why, in one line."""
 
 
-def _rank(sample_id: object) -> str:
+def selection_rank(sample_id: object) -> str:
+    """Where an id falls in train-draft's fixed pick order (prompts, conversations, a job's
+    answers alike)."""
     return hashlib.sha256(f"select:{sample_id}".encode()).hexdigest()
 
 
@@ -54,7 +56,7 @@ def select_prompts(path: Path, max_train: int, max_val: int) -> tuple[list[Promp
     """
     from eagle2_core.train.data import is_validation
 
-    items = sorted(prompt_lines(path), key=lambda item: _rank(item[0]))
+    items = sorted(prompt_lines(path), key=lambda item: selection_rank(item[0]))
     train_items = [i for i in items if not is_validation(i[0])][:max_train]
     val_items = [i for i in items if is_validation(i[0])][:max_val]
     return train_items, val_items
@@ -99,7 +101,7 @@ def read_conversations(
             raise TrainingError(f"{path}:{line_no}: no `messages` list")
         obj.setdefault("id", f"line-{line_no}")
         lines.append(obj)
-    lines.sort(key=lambda obj: _rank(obj["id"]))
+    lines.sort(key=lambda obj: selection_rank(obj["id"]))
     train_lines = [o for o in lines if not is_validation(str(o["id"]))]
     val_lines = [o for o in lines if is_validation(str(o["id"]))][:max_val]
     if max_train:
@@ -132,7 +134,7 @@ def job_conversations(
     larger --max-conversations keeps a smaller pick as its prefix)."""
     from eagle2_core.train.data import conversation_from_messages, is_validation
 
-    items = sorted(answers, key=lambda a: (_rank(a["request_id"]), a["sample_id"]))
+    items = sorted(answers, key=lambda a: (selection_rank(a["request_id"]), a["sample_id"]))
     train = [a for a in items if not is_validation(str(a["request_id"]))]
     val = [a for a in items if is_validation(str(a["request_id"]))][:max_val]
     if max_train:
