@@ -28,6 +28,7 @@ from tests.workers.manifests import store_job
 from tests.workers.test_decoding import save_tiny_model
 from workers import db, launcher, tasks
 from workers.celery_app import queue_for, visibility_timeout
+from workers.head_versions import versions
 from workers.launcher import LaunchError, plan_workers, select_gpus, visible_gpus
 from workers.parquet_sink import read_job_parquet
 from workers.request import Request
@@ -560,6 +561,50 @@ def test_a_shard_left_running_by_a_lost_acknowledgement_is_re_enqueued(cluster: 
     logs = "".join(p.read_text() for p in cluster.logs)
     assert f"watchdog: shard 0 of job {job_id} stalled (running on cpu0@gone" in logs
     assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.integration
+def test_adapt_beside_two_real_workers_switches_heads_at_a_shard_start_and_no_output(
+    cluster: Cluster, tmp_path: Path
+):
+    """`eagle2-batch adapt JOB` as its own process beside the two Celery workers: shards
+    that start after it publishes a head draft with it, earlier ones kept theirs, and every
+    output equals the same job's without adaptation (fp32 greedy)."""
+    from tests.producer.test_adapt import VALIDATION_IDS
+
+    ids = [f"alpaca-{i:05d}" for i in range(36)] + VALIDATION_IDS  # as test_adapt's job
+    requests = [
+        Request(sample_id=i, line_no=n + 1, messages=[
+            {"role": "user", "content": f"t{7 + n % 40} t{20 + n % 50} t{5 + n % 7}"}])
+        for n, i in enumerate(ids)
+    ]  # fmt: skip
+    params = {**PARAMS, "max_new_tokens": 12, "dtype": "fp32"}
+    jobs = [
+        store_job(cluster.engine, requests, 13, p, str(cluster.model), str(cluster.draft))
+        for p in ({**params, "adapt_draft": True, "adapt_after": 10}, params)
+    ]
+    adapting, plain = jobs
+    cluster.enqueue([(adapting, 0), *((plain, s) for s in range(3))])
+    cluster.wait(job_done(cluster.engine, plain), 300, "the plain job")
+    argv = [EAGLE2_BATCH, "adapt", adapting, "--interval", "1", "--work", str(tmp_path / "w")]
+    trainer = subprocess.Popen(argv, env=cluster.env, stdout=subprocess.PIPE, text=True)
+    try:
+        cluster.wait(lambda: versions(cluster.engine, adapting), 300, "the first round")
+        cluster.enqueue([(adapting, 1), (adapting, 2)])
+        cluster.wait(job_done(cluster.engine, adapting), 300, "the adapting job")
+        said, _ = trainer.communicate(timeout=60)  # it returns once the job has ended
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0
+    [attempt] = versions(cluster.engine, adapting)
+    assert "draft head v1 from v0 on 13 completions" in said and attempt["published"], said
+    rows = list(db.iter_samples(cluster.engine, adapting))
+    assert {(r["shard"], r["head_version"]) for r in rows} == {(0, 0), (1, 1), (2, 1)}
+    plain_rows = list(db.iter_samples(cluster.engine, plain))
+    assert {r["head_version"] for r in plain_rows} == {0}
+    assert {r["sample_id"]: r["output_text"] for r in rows} == {
+        r["sample_id"]: r["output_text"] for r in plain_rows
+    }
 
 
 @pytest.mark.integration
