@@ -63,7 +63,12 @@ class Round:
                 f"the validation split (ids with sha256 % {VALIDATION_MODULUS} == 0), which "
                 "a round needs to judge a head on; kept the old head, no more rounds"
             )
-        verdict = "published" if self.published else "kept the old head"
+        if self.published:
+            verdict = "published"
+        elif a.head_dir is not None:  # it won, but another trainer published a newer head
+            verdict = "another trainer published a newer head meanwhile: kept that one"
+        else:
+            verdict = "kept the old head"
         return (
             f"draft head v{self.version} from v{a.based_on} on {a.train_completions} "
             f"completions: tau {_tau(a.tau_before)} -> {_tau(a.tau_after)} on {a.eval_prompts} "
@@ -97,7 +102,7 @@ def adapt_round(
     prompts = held_out_prompts(engine, job["id"])
     if not prompts:  # nothing could judge a new head: not worth minutes of training
         attempt = Attempt(based_on, completions, None, None, 0, 0.0, head_dir=None)
-        return Round(record(engine, job["id"], attempt), False, attempt)
+        return Round(*record(engine, job["id"], attempt), attempt)
     training = _training(
         job,
         database_url,
@@ -120,7 +125,7 @@ def adapt_round(
         train_s=round(time.perf_counter() - started, 1),
         head_dir=new_dir if won else None,
     )
-    return Round(record(engine, job["id"], attempt), won, attempt)
+    return Round(*record(engine, job["id"], attempt), attempt)
 
 
 def held_out_prompts(engine: Engine, job_id: str) -> list[list[dict]]:

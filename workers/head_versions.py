@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, func, insert, select
+from sqlalchemy.exc import IntegrityError
 
 from eagle2_core.registry import cache_root
 from workers.schema import head_versions_t
@@ -76,31 +77,48 @@ def unpack(files: bytes, sha256: str, cache: Path) -> Path:
     return directory
 
 
-def record(engine: Engine, job_id: str, attempt: Attempt) -> int:
-    """Store an attempt as the job's next version (published with its files when it has
-    a head folder); returns its version number."""
+def record(engine: Engine, job_id: str, attempt: Attempt) -> tuple[int, bool]:
+    """Store an attempt as the job's next version; (its number, whether it is published).
+
+    Published with its files only if it has a head folder and is based on the job's newest
+    published head: a head that beat an older one, while another trainer published a
+    newer one, was never judged against what the workers now draft with. Two trainers
+    storing at once get different numbers (the second insert meets the primary key and
+    counts again)."""
     files = pack(attempt.head_dir) if attempt.head_dir is not None else None
+    for _ in range(3):
+        try:
+            return _insert(engine, job_id, attempt, files)
+        except IntegrityError:
+            continue
+    raise RuntimeError(f"job {job_id}: could not number a head version (trainers racing)")
+
+
+def _insert(engine: Engine, job_id: str, attempt: Attempt, files: bytes | None) -> tuple[int, bool]:
+    mine = head_versions_t.c.job_id == job_id
     with engine.begin() as conn:
-        newest = conn.execute(
-            select(func.max(head_versions_t.c.version)).where(head_versions_t.c.job_id == job_id)
+        newest = conn.execute(select(func.max(head_versions_t.c.version)).where(mine)).scalar()
+        current = conn.execute(
+            select(func.max(head_versions_t.c.version)).where(mine, head_versions_t.c.published)
         ).scalar()
+        publish = files is not None and (current or 0) == attempt.based_on
         version = (newest or 0) + 1
         conn.execute(
             insert(head_versions_t).values(
                 job_id=job_id,
                 version=version,
-                published=files is not None,
+                published=publish,
                 based_on=attempt.based_on,
                 train_completions=attempt.train_completions,
                 tau_before=attempt.tau_before,
                 tau_after=attempt.tau_after,
                 eval_prompts=attempt.eval_prompts,
                 train_s=attempt.train_s,
-                sha256=hashlib.sha256(files).hexdigest() if files is not None else None,
-                files=files,
+                sha256=hashlib.sha256(files).hexdigest() if publish else None,
+                files=files if publish else None,
             )
         )
-    return version
+    return version, publish
 
 
 def versions(engine: Engine, job_id: str) -> list[dict[str, Any]]:

@@ -64,13 +64,17 @@ def test_attempts_are_numbered_in_turn_and_only_winners_are_published(
 ) -> None:
     job_id = _job(engine)
     assert newest_published(engine, job_id) is None
-    assert record(engine, job_id, _attempt(head_dir)) == 1
-    assert record(engine, job_id, _attempt(None, based_on=1)) == 2
+    assert record(engine, job_id, _attempt(head_dir)) == (1, True)
+    assert record(engine, job_id, _attempt(None, based_on=1)) == (2, False)
+    # A second trainer's winner, judged against v0 while v1 was published: stored, not used.
+    assert record(engine, job_id, _attempt(head_dir, based_on=0)) == (3, False)
     rows = versions(engine, job_id)
     assert [(r["version"], r["published"], r["based_on"]) for r in rows] == [
         (1, True, 0),
         (2, False, 1),
+        (3, False, 0),
     ]
+    assert rows[2]["sha256"] is None
     assert "files" not in rows[0] and rows[1]["sha256"] is None
     assert rows[0]["sha256"] == hashlib.sha256(head_versions.pack(head_dir)).hexdigest()
     assert newest_published(engine, job_id) == (1, rows[0]["sha256"])
