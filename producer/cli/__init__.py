@@ -8,7 +8,12 @@ looked up, so `bench` runs where no database library is installed
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import os
+import sys
+import threading
+from typing import Any
 
 import click
 
@@ -52,3 +57,31 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="eagle2-batch")
 def main() -> None:
     """Large offline generation jobs with lossless EAGLE-2 speculative decoding."""
+
+
+def entry() -> None:
+    """The console script: `main`, then, once torch is loaded, an exit that skips the
+    interpreter's teardown. Freeing torch's modules and its C++ state took 0.35-0.6 s
+    after every command that decoded (2-core VMs), a sixth of a small job's start-up.
+    By then every row is committed and every file closed; non-daemon threads are joined
+    and atexit handlers (logging, multiprocessing) run first, as at a normal exit."""
+    try:
+        main()
+        code: Any = 0
+    except SystemExit as stop:
+        code = stop.code
+    if "torch" not in sys.modules:
+        sys.exit(code)
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`) or stream
+            pass
+    os._exit(code or 0)
