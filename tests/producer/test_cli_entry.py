@@ -27,7 +27,10 @@ SCRIPT = textwrap.dedent(
         if with_torch:
             import torch  # noqa: F401
         atexit.register(lambda: (out / "atexit").write_text("ran"))
-        threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("done"))).start()
+        def late():
+            time.sleep(0.3)
+            (out / "thread").write_text("done")
+        threading.Thread(target=late).start()
         click.echo("printed, not yet flushed", nl=False)
         if code:
             raise SystemExit(code)
