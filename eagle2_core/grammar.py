@@ -33,6 +33,8 @@ class Grammars:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: frozenset[int]) -> None:
         self.vocab_size = vocab_size
+        # llguidance takes transformers' class only (a LeanTokenizer holds one)
+        tokenizer = getattr(tokenizer, "transformers_tokenizer", tokenizer)
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_ids)
         )

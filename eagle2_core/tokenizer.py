@@ -8,7 +8,8 @@ A Llama directory whose tokenizer_config.json names `TokenizersBackend` (what
 transformers 5 saves, our GGUF copies included) loads with that class directly: it is the
 class `AutoTokenizer` picks there, and AutoTokenizer first reads the model's config
 through transformers' `configuration_llama`, whose imports (torch.distributed, sympy) took
-~0.7 s of every start here. Anything else goes through AutoTokenizer.
+~0.7 s of every start here; where eagle2_core.lean_tokenizer knows its settings, without
+importing transformers at all. Anything else goes through AutoTokenizer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from eagle2_core.lean_tokenizer import lean_tokenizer
 
 BACKEND = "TokenizersBackend"
 
@@ -50,6 +53,9 @@ def load_tokenizer(
 @lru_cache(maxsize=8)
 def _load(source: Path | str, allow_download: bool, trust_remote_code: bool) -> Any:
     if _names_backend(source):
+        lean = lean_tokenizer(Path(source))
+        if lean is not None:
+            return lean
         from transformers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(source, local_files_only=True)

@@ -451,4 +451,4 @@ def test_dockerfile():
 
 def test_entrypoint_is_the_console_script():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts.get("eagle2-batch") == "producer.cli:main"
+    assert scripts.get("eagle2-batch") == "producer.cli:entry"

@@ -61,8 +61,9 @@ def encode(target, text: str) -> list[int]:
 def plain_constrained(target, prompt: list[int], n: int, response_format: dict) -> list[int]:
     """The oracle: one token at a time, transformers' forward over the whole sequence, the
     grammar engine's mask (a fresh llguidance matcher fed the output), argmax."""
+    hf = getattr(target.tokenizer, "transformers_tokenizer", target.tokenizer)  # LeanTokenizer's
     tokenizer = llguidance.hf.from_tokenizer(
-        target.tokenizer, n_vocab=target.vocab_size, eos_token=sorted(target.stop_ids)
+        hf, n_vocab=target.vocab_size, eos_token=sorted(target.stop_ids)
     )
     matcher = llguidance.LLMatcher(tokenizer, grammar_text(response_format))
     out: list[int] = []

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from eagle2_core.lean_tokenizer import LeanTokenizer
 from eagle2_core.registry import encode_chat, resolve_model
 from eagle2_core.tokenizer import load_tokenizer
 from tests.eagle2_core.tiny import save_target, tiny_target
@@ -22,10 +23,13 @@ def saved_tiny(directory: Path) -> Path:
 
 
 def same_tokenizer(ours, theirs) -> None:
-    assert type(ours) is type(theirs)
-    assert ours.init_kwargs == theirs.init_kwargs
+    """The same vocabulary, special tokens and template (the ids: test_lean_tokenizer)."""
     assert ours.get_vocab() == theirs.get_vocab()
-    assert ours.eos_token_id == theirs.eos_token_id and ours.pad_token_id == theirs.pad_token_id
+    assert ours.get_added_vocab() == theirs.get_added_vocab()
+    assert len(ours) == len(theirs)
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        assert getattr(ours, name) == getattr(theirs, name)
+        assert getattr(ours, f"{name}_id") == getattr(theirs, f"{name}_id")
     assert ours.chat_template == theirs.chat_template
 
 
@@ -35,6 +39,7 @@ def test_a_backend_directory_loads_what_auto_tokenizer_loads(tmp_path: Path) -> 
         "TokenizersBackend"
     )
     ours = load_tokenizer(directory)
+    assert isinstance(ours, LeanTokenizer)
     theirs = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     same_tokenizer(ours, theirs)
     text = "t5 t17 t3 t90"
