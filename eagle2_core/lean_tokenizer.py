@@ -55,6 +55,15 @@ def _special_content(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def _plain(message: Any) -> bool:
+    """A message of a string role and content and nothing else."""
+    return (
+        isinstance(message, dict)
+        and set(message) == {"role", "content"}
+        and all(isinstance(v, str) for v in message.values())
+    )
+
+
 def lean_tokenizer(directory: Path) -> LeanTokenizer | None:
     """The directory's LeanTokenizer, or None where only transformers loads it exactly."""
     try:
@@ -203,25 +212,19 @@ class LeanTokenizer:
         """Whether this class renders these chats as transformers would: a template that
         needs nothing of transformers' own, and messages of a string role and content
         only (transformers rewrites other fields, reasoning ones for example)."""
-        template = self.chat_template
-        if not template or TRANSFORMERS_ONLY.search(template):
-            return False
-        return bool(chats) and all(
-            chat
-            and all(
-                isinstance(m, dict)
-                and set(m) == {"role", "content"}
-                and all(isinstance(v, str) for v in m.values())
-                for m in chat
-            )
-            for chat in chats
+        return (
+            self._template is not None
+            and bool(chats)
+            and all(chat and all(_plain(m) for m in chat) for chat in chats)
         )
 
     @cached_property
     def _template(self) -> Any:
         """The chat template compiled in a sandbox set as transformers sets its own:
         blocks trimmed, loop controls, tojson without HTML escapes, raise_exception and
-        strftime_now."""
+        strftime_now; None where there is none or it needs transformers' own."""
+        if not self.chat_template or TRANSFORMERS_ONLY.search(self.chat_template):
+            return None
         from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
