@@ -243,8 +243,9 @@ def test_prompts_sharing_a_prefix_run_it_once(tiny, mode, monkeypatch):
             decoder.add(k, prompt, config)
         out.update(decoder.step())
         if decoder_type is BatchDecoder:
-            # the prefix, the tails, the prompt that opens otherwise
-            assert forwards[:3] == [(1, len(prefix)), (3, 30), (1, len(loner))]
+            # the prefix, the tails (30 | 12 and 1: the cheapest cut), the prompt that opens
+            # otherwise
+            assert forwards[:4] == [(1, len(prefix)), (1, 30), (2, 12), (1, len(loner))]
         forwards.clear()
         for k, prompt in enumerate([*later, stranger], start=len(first)):
             decoder.add(k, prompt, config)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from eagle2_core.config import DecodeConfig
 from eagle2_core.cost import TREE_GRID, WIDTH_GRID, CostModel
-from eagle2_core.decoder import MAX_REST, BatchDecoder
+from eagle2_core.decoder import GROUP_COST_TOKENS, MAX_REST, PREFILL_TOKENS, BatchDecoder, _groups
 from eagle2_core.dynamic import DynamicDrafter, Fresh, extend_fresh
 from eagle2_core.engine import Engine
 from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
@@ -157,3 +160,49 @@ def test_fresh_tokens_wait_in_order_while_drafting_pauses():
     assert both.features[0, :2].tolist() == old.features[0, :2].tolist()
     assert both.features[1, 1:].tolist() == [[-1.0, -1.0], [-1.0, -1.0]]
     assert both.roots().tolist() == [3, 7]
+
+
+def cut_cost(groups: list[list[int]], skip: int) -> int:
+    """Padded slots plus GROUP_COST_TOKENS a forward: what _groups minimises."""
+    return sum((group[0] - skip) * len(group) + GROUP_COST_TOKENS for group in groups)
+
+
+def every_cut(lengths: list[int], skip: int) -> list[list[list[int]]]:
+    """Every split of `lengths` into consecutive groups within PREFILL_TOKENS padded slots
+    (a single prompt always allowed)."""
+    if not lengths:
+        return [[]]
+    cuts = []
+    for size in range(1, len(lengths) + 1):
+        head = lengths[:size]
+        if size > 1 and (head[0] - skip) * size > PREFILL_TOKENS:
+            break
+        cuts += [[head, *rest] for rest in every_cut(lengths[size:], skip)]
+    return cuts
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_prefill_groups_are_the_cheapest_cut_in_order_within_the_cap(seed):
+    rng = random.Random(seed)
+    skip = rng.choice([0, 24])
+    lengths = sorted((skip + rng.randint(1, 300) for _ in range(rng.randint(1, 9))), reverse=True)
+    if seed == 0:
+        lengths[0] = skip + PREFILL_TOKENS + 100  # a prompt longer than any group goes alone
+    joining = [SimpleNamespace(prompt_ids=[0] * n) for n in lengths]
+    groups = _groups(joining, skip)
+    assert [join for group in groups for join in group] == joining  # all of them, in order
+    sizes = [[len(join.prompt_ids) for join in group] for group in groups]
+    for group in sizes:
+        assert len(group) == 1 or (group[0] - skip) * len(group) <= PREFILL_TOKENS
+    if seed == 0:
+        assert sizes[0] == [lengths[0]]
+    assert cut_cost(sizes, skip) == min(cut_cost(cut, skip) for cut in every_cut(lengths, skip))
+
+
+def test_prefill_groups_pad_less_than_filling_each_group_in_turn():
+    # Filling each group in turn: [250, 120] (500 slots), [118, 116, 114] (354): 854 slots.
+    # The cut keeps the short ones together: [250], [120, 118, 116, 114]: 730.
+    lengths = [250, 120, 118, 116, 114]
+    joining = [SimpleNamespace(prompt_ids=[0] * n) for n in lengths]
+    sizes = [[len(join.prompt_ids) for join in group] for group in _groups(joining)]
+    assert sizes == [[250], [120, 118, 116, 114]]
