@@ -14,8 +14,8 @@ import pytest
 
 from workers import db
 from workers.parquet_sink import (
-    PARTITIONING,
     SAMPLE_SCHEMA,
+    out_partitioning,
     read_job_parquet,
     shard_path,
     write_shard_parquet,
@@ -118,7 +118,7 @@ def test_hive_dataset_reads_cleanly(tmp_path, fake_sample):
     one = ds.dataset(tmp_path / "job=jobD", partitioning="hive").to_table()
     assert one.schema.names == SAMPLE_SCHEMA.names and one.num_rows == 6
     # All of OUT: a string `job` partition column next to job_id.
-    everything = ds.dataset(tmp_path, partitioning=PARTITIONING).to_table()
+    everything = ds.dataset(tmp_path, partitioning=out_partitioning()).to_table()
     assert everything.schema.field("job").type == pa.string()
     assert everything.num_rows == 12
     assert set(everything["job"].to_pylist()) == {"123", "jobD"}
