@@ -39,6 +39,8 @@ from pathlib import Path
 
 import click
 
+from producer.stats import accumulate
+
 # Runs inside vLLM's virtualenv: reads {model, dtype, max_tokens, prompts, repeats} on
 # stdin, generates `repeats` times with one load (its prefix cache emptied in between, so a
 # repeat does not reuse the last one's prompts), prints {seconds: [one per repeat],
@@ -230,11 +232,9 @@ def main(
             "ours_tokens": ours["tokens"],
             "ours_tok_s": round(ours["tokens"] / ours["seconds"], 1),
             "ours_tau": _tau(ours["rows"]),
-            # prefill and decoding only (the samples' shares of each forward, summed), as
-            # vLLM's generation is timed: start-up, storage and exit left out
-            "ours_decoding_tok_s": round(
-                ours["tokens"] / sum(r["total_ms"] or 0 for r in ours["rows"]) * 1000, 1
-            ),
+            # prefill and decoding only, as vLLM's generation is timed (start-up, storage
+            # and exit left out): the tok/s that `run` prints
+            "ours_decoding_tok_s": round(accumulate(ours["rows"])[0].summary()["tokens_per_s"], 1),
         }
         peer_missing = not Path(vllm_python).exists()
         if peer_missing and not skip_peer:
