@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from producer.creation import create_job, input_fingerprint
 from producer.database import open_database, prepare_database, safe_url
+from producer.interrupts import CtrlC
 from producer.jobs import JobError, JobSpec, one_line
 from producer.stats import STATS_COLUMNS, compute_stats, format_stats
 from producer.status import job_status
@@ -89,10 +90,16 @@ def _announce_measuring(path: Path) -> None:
 
 
 def _decode(
-    engine: Engine, decoder: Any, job_id: str, out: Path, adapt: Callable[[], None]
+    engine: Engine,
+    decoder: Any,
+    job_id: str,
+    out: Path,
+    adapt: Callable[[], None],
+    ctrl_c: CtrlC,
 ) -> None:
     """process_shard over every shard with missing samples, one progress bar for all;
-    `adapt()` before each shard (a draft-head round where one is due)."""
+    `adapt()` before each shard (a draft-head round where one is due). Ctrl-C lands
+    while the decoder computes, never in a database write (producer/interrupts.py)."""
     from workers.shards import process_shard
 
     job = get_job(engine, job_id)
@@ -120,7 +127,15 @@ def _decode(
             adapt()
             try:
                 result = process_shard(
-                    engine, decoder, job_id, shard, out, worker, on_progress=progress, lost_after=0
+                    engine,
+                    decoder,
+                    job_id,
+                    shard,
+                    out,
+                    worker,
+                    on_progress=progress,
+                    lost_after=0,
+                    decoding=ctrl_c.decoding,
                 )
             except KeyboardInterrupt:
                 set_shards_state(engine, job_id, "queued", shards=[shard], expect=["running"])
@@ -173,7 +188,8 @@ def run_job(
                 between_shards(engine, database_url, job_id, out, device)
 
         try:
-            _decode(engine, decoder, job_id, out, adapt)
+            with CtrlC() as ctrl_c:
+                _decode(engine, decoder, job_id, out, adapt, ctrl_c)
         except KeyboardInterrupt:
             raise Interrupted(job_id) from None
         status = job_status(engine, job_id)  # first: it brings the job row's state up to date

@@ -125,6 +125,7 @@ def process_shard(
     device: str | None = None,
     on_progress: ProgressCallback | None = None,
     lost_after: float | None = None,
+    decoding: Callable[[Iterator[dict[str, Any]]], Iterator[dict[str, Any]]] | None = None,
 ) -> ShardResult:
     """Decode and store the shard's missing samples, then write its Parquet file.
 
@@ -132,7 +133,8 @@ def process_shard(
     runs (workers/heartbeat.py), flushes rows every few samples, and stops early, leaving
     the shard 'cancelled', once the job is cancelled. At the end the shard is 'done' and the
     job's state is re-derived from the stored counts. `on_progress(row, n_done, n_pending)`
-    is called after each decoded sample.
+    is called after each decoded sample. `decoding`, where given, wraps the decoder's
+    stream of rows (`run` lets Ctrl-C land only there: producer/interrupts.py).
 
     A previous attempt found running with no heartbeat for `lost_after` seconds (default:
     the stall limit) counts as lost. Once the job's max_attempts (default 3) are lost, the
@@ -199,6 +201,8 @@ def process_shard(
                 if decoder.head_version is not None:
                     follow_newest(db_engine, decoder, job_id, settings.adapt_draft)
                 samples = decoder.decode_many(requests, params, origin)
+                if decoding is not None:
+                    samples = decoding(samples)
                 if not _store(db_engine, job_id, samples, len(pending), tally, on_progress):
                     return cancel()
             metadata = {"model": job["model"], "draft": job["draft"], "mode": job["mode"]}
