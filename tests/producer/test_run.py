@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -345,3 +346,49 @@ def test_n_completions_per_line_and_per_job_are_seeded_and_reproducible(
     assert greedy.returncode == 0, greedy.stderr
     assert "note: 2 requests with n > 1 decode greedily" in greedy.stderr
     assert "samples   6 (completions: n per request)" in greedy.stdout
+
+
+@pytest.mark.faults
+def test_ctrl_c_at_random_moments_loses_and_duplicates_nothing(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Ctrl-C at random moments of `run` (starting, creating the job, decoding, storing),
+    each time followed by the same command: every interrupt ends cleanly, and the job that
+    finally completes holds every sample once."""
+    model, _ = tiny
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 600)
+    out = tmp_path / "out"
+    command = [EAGLE2_BATCH, "run", str(prompts), "--out", str(out), "--model", str(model)]
+    command += ["--mode", "vanilla", "--max-new-tokens", "32", "--shard-size", "1"]
+    command += ["--batch-size", "1"]
+    rng = random.Random(0)
+    endings: list[tuple[float, int, str]] = []
+    for _ in range(10):
+        process = subprocess.Popen(
+            command,
+            env=run_env(),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        delay = rng.uniform(0.3, 3.5)  # decoding starts after about 1.5 s
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+        endings.append((round(delay, 2), process.returncode, stderr.strip().splitlines()[-1]))
+    print(*endings, sep="\n")
+    resumable = "interrupted: run the same command to resume job"
+    for _delay, code, last in endings:  # before decoding starts: click's own ending
+        assert (code == 130 and last.startswith(resumable)) or (code, last) == (1, "Aborted!")
+    done = run_cli(*command[2:], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip().splitlines()[-1]
+    report = verify(out, job_id)
+    assert report["ok"] and report["database_rows"] == report["parquet_rows"] == 600
+    engine = db.make_engine(f"sqlite:///{out / 'eagle2.db'}")
+    with engine.connect() as conn:
+        jobs = conn.execute(select(db.jobs_t.c.id, db.jobs_t.c.state)).all()
+    engine.dispose()
+    assert jobs == [(job_id, "completed")]
