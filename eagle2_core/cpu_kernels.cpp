@@ -23,6 +23,7 @@ struct Item {
   T* out[16];                // each query row's D outputs
   const T* keys;
   const T* values;
+  const T* next_keys;  // the next item's keys (same strides), or nullptr
   int64_t R, S, D, ks, vs;
   float scale;
 };
@@ -321,14 +322,19 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
   for (int64_t s0 = 0; s0 < S; s0 += 16) {
     const int64_t n = std::min<int64_t>(16, S - s0);
     const T* k0 = it.keys + s0 * it.ks;
-    // the keys two blocks on into L1, and this block's values into L2: they are read after
-    // every block's scores, and in L1 they pushed out the keys still to come (an 80-row
-    // step's attention 10-15% faster, BENCHMARKS.md "Values prefetched into L2")
+    // Ahead of their use: the keys two blocks on into L1; this block's values into L2 (they
+    // are read after every block's scores, and in L1 they pushed out the keys still to
+    // come); the next item's keys into L2 (its rows lie elsewhere, where the hardware's
+    // prefetch would start cold). An 80-row step's attention: fp32 -20%, bf16 -25%
+    // (BENCHMARKS.md, "Attention's prefetches").
     for (int64_t j = 0; j < n; ++j)
       for (int64_t d = 0; d < D; d += line) {
         _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + j) * it.ks + d), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
                      _MM_HINT_T1);
+        if (it.next_keys != nullptr)
+          _mm_prefetch(reinterpret_cast<const char*>(it.next_keys + (s0 + j) * it.ks + d),
+                       _MM_HINT_T1);
       }
     const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t r = 0; r < it.R; ++r) {
@@ -398,18 +404,23 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
   vector = std::is_same<T, float>::value && D % 16 == 0;
 #endif
   const int64_t items = B * KV * blocks;
+  // first, last, second, second to last...: the decoder sorts rows longest first, and
+  // each thread's contiguous share of items should hold long and short rows alike
+  const auto order = [items](int64_t n) { return n % 2 == 0 ? n / 2 : items - 1 - n / 2; };
+  const auto keys_of = [&](int64_t i) {
+    return kp + i / (KV * blocks) * keys.stride(0) + i / blocks % KV * keys.stride(1);
+  };
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     const int64_t stride = Sall + 16;
     std::vector<float> scores(16 * stride, 0.f);
     for (int64_t n = begin; n < end; ++n) {
-      // first, last, second, second to last...: the decoder sorts rows longest first, and
-      // each thread's contiguous share of items should hold long and short rows alike
-      const int64_t i = n % 2 == 0 ? n / 2 : items - 1 - n / 2;
+      const int64_t i = order(n);
       const int64_t b = i / (KV * blocks), h = i / blocks % KV, t0 = i % blocks * block;
       const int64_t tokens = std::min(block, T_ - t0);
       Item<T> it;
-      it.keys = kp + b * keys.stride(0) + h * keys.stride(1);
+      it.keys = keys_of(i);
       it.values = vp + b * values.stride(0) + h * values.stride(1);
+      it.next_keys = n + 1 < end ? keys_of(order(n + 1)) : nullptr;
       it.R = G * tokens, it.D = D, it.scale = static_cast<float>(scale);
       it.ks = keys.stride(2), it.vs = values.stride(2);
       it.S = 0;  // up to the block's last visible slot (rows differ in length)
