@@ -6,8 +6,9 @@ statement is still referenced by the exception's frames), and the write that put
 interrupted shard back to 'queued' then waits on it until "database is locked": the job
 ends with an error instead of the resume message. So while `run` decodes, Ctrl-C only
 marks itself pending, and it is raised where the decoder computes: at once when it comes
-during a decoding step, else as the next step starts. A second Ctrl-C raises wherever it
-lands, for a user who will not wait (a long head-training round, a stuck database).
+during a decoding step, else as the next step starts (one that comes while the job's
+last rows are stored lets the job finish). A second Ctrl-C raises wherever it lands, for
+a user who will not wait (a long head-training round, a stuck database).
 """
 
 from __future__ import annotations
