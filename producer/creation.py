@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
@@ -337,6 +338,9 @@ def _from_child(reading: Reading) -> Iterator[tuple[int, EncodedBatch] | Plan]:
 
 def _child(send: Connection, reading: Reading) -> None:
     """The second process: scan the input, send encoded batches and then the plan."""
+    # Ctrl-C stops the reading at once (`run` makes its own process wait for a point
+    # outside database writes); the parent deletes the partial job as it gets the error.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     dialect, job_id = reading.dialect, reading.job_id
     try:
         plan = Plan()

@@ -1,20 +1,22 @@
-"""Ctrl-C in `run` stops decoding, never a database write.
+"""Ctrl-C in `run` stops where nothing is being written, never inside a database write.
 
 Python raises KeyboardInterrupt at whatever line runs when the signal comes. Inside a
 write to SQLite that can leave the interrupted connection holding the write lock (its
 statement is still referenced by the exception's frames), and the write that puts the
 interrupted shard back to 'queued' then waits on it until "database is locked": the job
-ends with an error instead of the resume message. So while `run` decodes, Ctrl-C only
-marks itself pending, and it is raised where the decoder computes: at once when it comes
-during a decoding step, else as the next step starts (one that comes while the job's
-last rows are stored lets the job finish). A second Ctrl-C raises wherever it lands, for
-a user who will not wait (a long head-training round, a stuck database).
+ends with an error instead of the resume message. So while `run` works on a job, Ctrl-C
+raises at once only inside blocks that write nothing (loading the model, a decoding
+step); anywhere else it says so and waits for the next such block (one that comes while
+the job's last rows are stored lets the job finish). A second Ctrl-C raises wherever it
+lands, for a user who will not wait (a long job creation, a stuck database).
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
@@ -23,11 +25,11 @@ T = TypeVar("T")
 
 class CtrlC:
     """While the `with` block runs, SIGINT raises KeyboardInterrupt only inside
-    `decoding(...)` iterators, or on a second press."""
+    `allowed()` blocks and `decoding(...)` steps, or on a second press."""
 
     def __init__(self) -> None:
         self.pending = False
-        self._decoding = False
+        self._allowed = False
         self._previous: Any = None
 
     def __enter__(self) -> CtrlC:
@@ -43,22 +45,36 @@ class CtrlC:
         signal.signal(signal.SIGINT, self._previous)
 
     def _on_sigint(self, _signum: int, _frame: FrameType | None) -> None:
-        if self._decoding or self.pending:
+        if self._allowed or self.pending:
             raise KeyboardInterrupt
         self.pending = True
+        print(
+            "\nCtrl-C: stopping as soon as nothing is being written (Ctrl-C again: at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    @contextmanager
+    def allowed(self) -> Iterator[None]:
+        """A block that writes nothing: Ctrl-C raises in it at once, a pending one as it
+        starts."""
+        self._allowed = True
+        try:
+            if self.pending:
+                raise KeyboardInterrupt
+            yield
+        finally:
+            self._allowed = False
 
     def decoding(self, steps: Iterable[T]) -> Iterator[T]:
-        """`steps`, each advanced with Ctrl-C allowed; a pending one raises before the
-        next step starts."""
+        """`steps`, each advanced inside `allowed()`."""
         iterator = iter(steps)
         while True:
-            self._decoding = True
-            try:
-                if self.pending:
-                    raise KeyboardInterrupt
-                step = next(iterator)
-            except StopIteration:
+            with self.allowed():
+                step = next(iterator, _END)
+            if step is _END:
                 return
-            finally:
-                self._decoding = False
-            yield step
+            yield step  # type: ignore[misc]
+
+
+_END: Any = object()

@@ -160,49 +160,58 @@ def run_job(
     with progress on stderr. User errors raise JobError; Ctrl-C raises Interrupted.
     An --adapt-draft job calls `between_shards` before each shard (`run` passes
     producer.adapt.between_shards; without it the job decodes with its first head)."""
-    prepare_database(database_url)
-    with open_database(database_url) as engine:
-        job = None if new_job else unfinished_job(engine, input_path, spec)
-        if job is not None:
-            job_id = job["id"]
-            counts = sample_counts(engine, job_id)
-            print(
-                f"resuming job {job_id}: {counts['ok'] + counts['failed']} of "
-                f"{job['n_expected']} samples already stored (--new-job starts over)",
-                file=sys.stderr,
-                flush=True,
-            )
-        else:
-            job_id, plan = create_job(engine, input_path, spec, strict=strict)
-            plan.require_samples(input_path, job_id)
-        decoder = _load_decoder(spec, device, batch_size)
-        decoder.on_measure = _announce_measuring
-        if spec.auto_tree:
-            decoder.engine.costs(decoder.batch_size, on_measure=_announce_measuring)
-        samples = min(get_job(engine, job_id)["n_expected"], spec.settings.shard_size)
-        rows = min(decoder.rows_for(samples), samples)
-        print(f"decoding up to {rows} sequences at once", file=sys.stderr, flush=True)
+    with CtrlC() as ctrl_c:  # Ctrl-C never lands in a database write (producer/interrupts.py)
+        prepare_database(database_url)
+        with open_database(database_url) as engine:
+            job_id = _job_to_run(engine, input_path, spec, new_job=new_job, strict=strict)
+            samples = min(get_job(engine, job_id)["n_expected"], spec.settings.shard_size)
+            try:
+                with ctrl_c.allowed():  # loading and measuring write nothing
+                    decoder = _load_decoder(spec, device, batch_size)
+                    decoder.on_measure = _announce_measuring
+                    if spec.auto_tree:
+                        decoder.engine.costs(decoder.batch_size, on_measure=_announce_measuring)
+                    rows = min(decoder.rows_for(samples), samples)
+                print(f"decoding up to {rows} sequences at once", file=sys.stderr, flush=True)
 
-        def adapt() -> None:
-            if spec.settings.adapt_draft and between_shards is not None:
-                between_shards(engine, database_url, job_id, out, device)
+                def adapt() -> None:
+                    if spec.settings.adapt_draft and between_shards is not None:
+                        between_shards(engine, database_url, job_id, out, device)
 
-        try:
-            with CtrlC() as ctrl_c:
                 _decode(engine, decoder, job_id, out, adapt, ctrl_c)
-        except KeyboardInterrupt:
-            raise Interrupted(job_id) from None
-        status = job_status(engine, job_id)  # first: it brings the job row's state up to date
-        job_row = get_job(engine, job_id)
-        assert job_row is not None
-        return LocalRun(
-            job_id=job_id,
-            status=status,
-            job=job_row,
-            stats=compute_stats(iter_samples(engine, job_id, columns=STATS_COLUMNS)),
-            parquet_dir=job_dir(out, job_id),
-            database_url=database_url,
+            except KeyboardInterrupt:
+                raise Interrupted(job_id) from None
+            status = job_status(engine, job_id)  # first: it brings the job's state up to date
+            job_row = get_job(engine, job_id)
+            assert job_row is not None
+            return LocalRun(
+                job_id=job_id,
+                status=status,
+                job=job_row,
+                stats=compute_stats(iter_samples(engine, job_id, columns=STATS_COLUMNS)),
+                parquet_dir=job_dir(out, job_id),
+                database_url=database_url,
+            )
+
+
+def _job_to_run(
+    engine: Engine, input_path: Path, spec: JobSpec, *, new_job: bool, strict: bool
+) -> str:
+    """The unfinished job of this input and settings (said so on stderr), unless
+    `new_job`; else a new one."""
+    job = None if new_job else unfinished_job(engine, input_path, spec)
+    if job is not None:
+        counts = sample_counts(engine, job["id"])
+        print(
+            f"resuming job {job['id']}: {counts['ok'] + counts['failed']} of "
+            f"{job['n_expected']} samples already stored (--new-job starts over)",
+            file=sys.stderr,
+            flush=True,
         )
+        return job["id"]
+    job_id, plan = create_job(engine, input_path, spec, strict=strict)
+    plan.require_samples(input_path, job_id)
+    return job_id
 
 
 def format_run(run: LocalRun) -> str:

@@ -38,6 +38,25 @@ def test_ctrl_c_outside_decoding_waits_for_the_next_step() -> None:
     assert advanced == [0]  # raised before the next step started
 
 
+def test_ctrl_c_outside_an_allowed_block_says_it_waits(capfd: pytest.CaptureFixture[str]) -> None:
+    with CtrlC() as guard:
+        ctrl_c()  # a database write would be running here
+        assert "Ctrl-C: stopping as soon as nothing is being written" in capfd.readouterr().err
+        with pytest.raises(KeyboardInterrupt), guard.allowed():
+            raise AssertionError("a pending Ctrl-C raises as the block starts")
+
+
+def test_ctrl_c_inside_an_allowed_block_raises_at_once() -> None:
+    with CtrlC() as guard:
+        with pytest.raises(KeyboardInterrupt), guard.allowed():  # loading a model, say
+            ctrl_c()
+            while True:
+                pass
+        assert not guard.pending
+        ctrl_c()  # after the block: waits again
+        assert guard.pending
+
+
 def test_ctrl_c_during_a_step_stops_it_at_once() -> None:
     def steps() -> Iterator[int]:
         ctrl_c()
