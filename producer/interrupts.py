@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import FrameType, TracebackType
@@ -33,7 +34,10 @@ class CtrlC:
         self._previous: Any = None
 
     def __enter__(self) -> CtrlC:
-        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        # Python runs signal handlers in the main thread only; elsewhere (a library user's
+        # thread) Ctrl-C is not this code's to handle.
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
         return self
 
     def __exit__(
@@ -42,7 +46,8 @@ class CtrlC:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        signal.signal(signal.SIGINT, self._previous)
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
     def _on_sigint(self, _signum: int, _frame: FrameType | None) -> None:
         if self._allowed or self.pending:

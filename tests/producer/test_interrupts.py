@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,6 +81,21 @@ def test_the_previous_handler_is_back_afterwards() -> None:
     before = signal.getsignal(signal.SIGINT)
     with CtrlC():
         assert signal.getsignal(signal.SIGINT) != before
+    assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_outside_the_main_thread_it_leaves_signals_alone() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    seen: list[object] = []
+
+    def in_a_thread() -> None:
+        with CtrlC() as guard, guard.allowed():
+            seen.extend(guard.decoding([1, 2]))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert seen == [1, 2]
     assert signal.getsignal(signal.SIGINT) == before
 
 
