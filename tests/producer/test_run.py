@@ -380,7 +380,7 @@ def test_ctrl_c_at_random_moments_loses_and_duplicates_nothing(
         endings.append((round(delay, 2), process.returncode, stderr.strip().splitlines()[-1]))
     print(*endings, sep="\n")
     resumable = "interrupted: run the same command to resume job"
-    for _delay, code, last in endings:  # before decoding starts: click's own ending
+    for _delay, code, last in endings:  # in the imports, before run_job: click's own ending
         assert (code == 130 and last.startswith(resumable)) or (code, last) == (1, "Aborted!")
     done = run_cli(*command[2:], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
