@@ -82,6 +82,21 @@ def run_cli(*args: str, cwd: Path, cache: Path | None = None) -> subprocess.Comp
     )
 
 
+def start_run(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """`eagle2-batch run ARGS` in the background, output piped, Ctrl-C as a terminal's."""
+    return subprocess.Popen(
+        [EAGLE2_BATCH, "run", *args],
+        env=run_env(),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A shell starts background jobs (`.ci/run &`) with SIGINT ignored, and Python
+        # keeps it ignored: give `run` the default, as a terminal's Ctrl-C would find it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
 def verify(out: Path, job_id: str) -> dict:
     result = CliRunner().invoke(
         main,
@@ -196,17 +211,7 @@ def test_interrupted_run_resumes_where_it_stopped(tiny: tuple[Path, Path], tmp_p
     out = tmp_path / "out"
     args = [str(prompts), "--out", str(out), "--model", str(model), "--mode", "vanilla"]
     args += ["--max-new-tokens", "24", "--shard-size", "5", "--batch-size", "1"]
-    process = subprocess.Popen(
-        [EAGLE2_BATCH, "run", *args],
-        env=run_env(),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # A shell starts background jobs (`.ci/run &`) with SIGINT ignored, and Python
-        # keeps it ignored: give `run` the default, as a terminal's Ctrl-C would find it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    process = start_run(args, cwd=tmp_path)
     database_file = out / "eagle2.db"
     engine = db.make_engine(f"sqlite:///{database_file}")
     try:
@@ -358,22 +363,13 @@ def test_ctrl_c_at_random_moments_loses_and_duplicates_nothing(
     model, _ = tiny
     prompts = write_prompts(tmp_path / "prompts.jsonl", 1000)
     out = tmp_path / "out"
-    command = [EAGLE2_BATCH, "run", str(prompts), "--out", str(out), "--model", str(model)]
-    command += ["--mode", "vanilla", "--max-new-tokens", "32", "--shard-size", "1"]
-    command += ["--batch-size", "1"]
+    args = [str(prompts), "--out", str(out), "--model", str(model), "--mode", "vanilla"]
+    args += ["--max-new-tokens", "32", "--shard-size", "1", "--batch-size", "1"]
     rng = random.Random(0)
     endings: list[tuple[float, int, str]] = []
     job_id = None
     for _ in range(10):
-        process = subprocess.Popen(
-            command,
-            env=run_env(),
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
+        process = start_run(args, cwd=tmp_path)
         delay = rng.uniform(0.3, 3.5)  # decoding starts after about 1.5 s
         time.sleep(delay)
         process.send_signal(signal.SIGINT)
@@ -387,7 +383,7 @@ def test_ctrl_c_at_random_moments_loses_and_duplicates_nothing(
     for _delay, code, last in endings:  # in the imports, before run_job: click's own ending
         assert (code == 130 and last.startswith(resumable)) or (code, last) == (1, "Aborted!")
     if job_id is None:
-        done = run_cli(*command[2:], cwd=tmp_path)
+        done = run_cli(*args, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         job_id = done.stdout.strip().splitlines()[-1]
     report = verify(out, job_id)
