@@ -309,36 +309,6 @@ static inline void dots16(const uint16_t* q, const uint16_t* k0, int64_t ks, int
 }
 #endif
 
-// Query row q's dot products with the n (<= 8) keys from k0, lane sums in dots[j]. D goes
-// in chunks of 64 (a head of 64: one): the chunk of q in 8 registers, each key's lanes
-// straight from memory into its FMA. Loading q again for every key, the loop was bound
-// by loads: with the lane mask below, an 80-row step's attention on the AVX2 EPYC went
-// from 15.7 to 12.4 ms with its keys in cache, ~5% less from memory (BENCHMARKS.md).
-// Each sum adds in the same order as before.
-static inline void dots8(const float* q, const float* k0, int64_t ks, int64_t D, int64_t n,
-                         __m256* dots) {
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) dots[j] = _mm256_setzero_ps();
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    const int64_t width = std::min<int64_t>(64, D - d0);  // a multiple of 16
-    __m256 qs[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c)
-      qs[c] = c * 8 < width ? _mm256_loadu_ps(q + d0 + c * 8) : _mm256_setzero_ps();
-    if (n == 8 && width == 64) {  // the common case, fully unrolled
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j)
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c)
-          dots[j] = _mm256_fmadd_ps(qs[c], _mm256_loadu_ps(k0 + j * ks + d0 + c * 8), dots[j]);
-      continue;
-    }
-    for (int j = 0; j < n; ++j)
-      for (int c = 0; c * 8 < width; ++c)
-        dots[j] = _mm256_fmadd_ps(qs[c], _mm256_loadu_ps(k0 + j * ks + d0 + c * 8), dots[j]);
-  }
-}
-
 // The weighted sum of the values for query rows r0.. (ROWS of them) and outputs c0..c0+64,
 // sums in fp32 registers.
 template <int ROWS, typename T>
