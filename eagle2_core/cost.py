@@ -15,7 +15,7 @@ and dtype:
 
 The table is cached as JSON under EAGLE2_CACHE_DIR/costs/ and measured again after
 `STALE_DAYS` or when anything in its key changes (device, threads, model shape, dtype,
-torch version).
+torch version, the CPU kernels' build).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from eagle2_core import cpu_kernels
 from eagle2_core.kv import RaggedKV
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.llama import forward
@@ -174,6 +175,9 @@ def device_key(target: Target, head: LeanHead | None) -> str:
             str(target.dtype),
         ],
         "head": None if head is None else [head.shape.heads, head.shape.dim, head.vocab_size],
+        # a table measured with torch's ops standing in for broken kernels (or with an
+        # older kernel) misjudged drafting at 80 rows: a bf16 job ran 1.3x slower
+        "kernels": cpu_kernels.build() if device.type == "cpu" else None,
     }
     return json.dumps(parts, sort_keys=True)
 

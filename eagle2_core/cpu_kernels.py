@@ -117,6 +117,13 @@ def kernel() -> ModuleType | None:
         return None
 
 
+def build() -> str | None:
+    """Which kernels this process runs: the compiled module's tag (its source, this CPU's
+    flags, torch and Python), or None where torch's ops stand in. What a forward costs
+    depends on it (cost.py keys its table by it)."""
+    return _cpu_tag() if kernel() is not None else None
+
+
 FP32_TOKENS = 4  # new tokens per row up to which the fp32 attention beats torch's SDPA
 
 

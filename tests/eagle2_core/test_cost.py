@@ -75,6 +75,28 @@ def test_stale_or_too_small_tables_are_measured_again(engine_parts, tmp_path, mo
     assert calls == [8, 8, 8]
 
 
+def test_other_cpu_kernels_are_measured_again(engine_parts, tmp_path, monkeypatch):
+    """A table measured while torch's ops stood in for kernels that failed to build (or
+    with an older kernel) is not this build's: it once kept a bf16 job drafting at 80
+    rows, 1.3x slower than plain decoding."""
+    monkeypatch.setenv("EAGLE2_CACHE_DIR", str(tmp_path))
+    target, head = engine_parts
+    built = load_or_measure(target, head, max_batch=2)
+    assert cost.cpu_kernels.build() is not None  # CI's machine has a compiler
+    assert json.loads(built.key)["kernels"] == cost.cpu_kernels.build()
+    calls = []
+    real = cost.measure
+
+    def counting(*args, **kwargs) -> CostModel:
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cost, "measure", counting)
+    monkeypatch.setattr(cost.cpu_kernels, "build", lambda: None)  # torch's ops instead
+    stand_in = load_or_measure(target, head, max_batch=2)
+    assert calls == [2] and json.loads(stand_in.key)["kernels"] is None
+
+
 def table(step_ms: dict[int, float]) -> CostModel:
     """A table of plain-decoding steps only: B rows cost step_ms[B]."""
     grid = sorted(step_ms)
