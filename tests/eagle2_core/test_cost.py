@@ -52,11 +52,9 @@ def test_measured_once_then_read_from_the_cache(engine_parts, tmp_path, monkeypa
     assert load_or_measure(target, head, max_batch=2) == first  # a smaller batch
 
 
-def test_stale_or_too_small_tables_are_measured_again(engine_parts, tmp_path, monkeypatch):
-    monkeypatch.setenv("EAGLE2_CACHE_DIR", str(tmp_path))
-    target, head = engine_parts
-    first = load_or_measure(target, head, max_batch=2)
-    calls = []
+def count_measures(monkeypatch) -> list[int]:
+    """From now on, the batch size of every table measured, in order."""
+    calls: list[int] = []
     real = cost.measure
 
     def counting(*args, **kwargs) -> CostModel:
@@ -64,6 +62,14 @@ def test_stale_or_too_small_tables_are_measured_again(engine_parts, tmp_path, mo
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cost, "measure", counting)
+    return calls
+
+
+def test_stale_or_too_small_tables_are_measured_again(engine_parts, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE2_CACHE_DIR", str(tmp_path))
+    target, head = engine_parts
+    first = load_or_measure(target, head, max_batch=2)
+    calls = count_measures(monkeypatch)
     load_or_measure(target, head, max_batch=8)  # a larger batch than measured
     (path,) = (tmp_path / "costs").iterdir()
     stale = json.loads(path.read_text())
@@ -84,14 +90,7 @@ def test_other_cpu_kernels_are_measured_again(engine_parts, tmp_path, monkeypatc
     built = load_or_measure(target, head, max_batch=2)
     assert cost.cpu_kernels.build() is not None  # CI's machine has a compiler
     assert json.loads(built.key)["kernels"] == cost.cpu_kernels.build()
-    calls = []
-    real = cost.measure
-
-    def counting(*args, **kwargs) -> CostModel:
-        calls.append(args[2])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cost, "measure", counting)
+    calls = count_measures(monkeypatch)
     monkeypatch.setattr(cost.cpu_kernels, "build", lambda: None)  # torch's ops instead
     stand_in = load_or_measure(target, head, max_batch=2)
     assert calls == [2] and json.loads(stand_in.key)["kernels"] is None
