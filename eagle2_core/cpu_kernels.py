@@ -45,6 +45,7 @@ import torch
 SOURCE = (Path(__file__).parent / "cpu_kernels.cpp").read_text()
 
 
+@cache
 def _cpu_tag() -> str:
     """What the compiled code depends on: -march=native ties it to this CPU's flags, and
     the build to the torch and the Python it was compiled against. The torch's location
