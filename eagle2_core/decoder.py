@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -160,12 +160,16 @@ class BatchDecoder:
             return
         start = time.perf_counter()
         target = self.target
-        if not self.rows:  # the batch's cache at once, each row as long as this one may get
+        starting = not self.rows
+        if starting:  # the batch's cache at once, each row as long as this one may get
             longest = max(
                 len(j.prompt_ids) + j.config.max_new_tokens + _budget(j.config) for j in joining
             )
             self.kv.reserve_batch(self.batch_size, min(longest, target.max_context))
         prefilled = self._prefill(joining)
+        if starting and self.dynamic is not None and not self._drafting_could_pay(joining):
+            self._retire()
+            prefilled = [(replace(join, dynamic=False), *rest) for join, *rest in prefilled]
         lasts = target.lm_head(torch.stack([last for _, last, _ in prefilled]))
         prompt_tokens = sum(len(j.prompt_ids) for j in joining)
         seconds = time.perf_counter() - start
@@ -340,6 +344,21 @@ class BatchDecoder:
             self.dynamic = self.fresh = None
         return dynamic
 
+    def _drafting_could_pay(self, joining: list[Joining]) -> bool:
+        """At a batch's start, for rows that size their trees by cost: whether any tree
+        could pay at this many rows even for a far better head than ours
+        (Planner.could_pay). Where not, the batch stops drafting before the head reads a
+        prompt (_retire): at 80 rows on a 2-core CPU in bf16 the head's prefill and its
+        probe rounds until the batch stopped drafting cost 0.5-1.2 s of an 18 s job."""
+        if not all(j.config.planned for j in joining):
+            return True
+        room = self.target.max_context
+        caps = [min(_budget(j.config), room - len(j.prompt_ids)) for j in joining]
+        costs = self.engine.costs(self.batch_size)
+        rows, calibration = len(joining), self.engine.calibration
+        planner = Planner(costs, calibration, rows, self.kv.slots, caps, *self.shape)
+        return planner.could_pay()
+
     def _join_dynamic(self, joins: list[tuple[Joining, torch.Tensor, torch.Tensor]]) -> None:
         """The new rows' (join, features, next_tokens) draft caches take all but their last
         committed token, in padded groups like the target's prefill; that one is each row's
@@ -458,7 +477,9 @@ class BatchDecoder:
         on, rows joining meanwhile skip the head's prefill, and the next batch (once this
         one empties) drafts again. Where a few more nodes cost a verify forward next to
         nothing (one or a few rows, on most devices), any draft with some confidence
-        beats plain decoding when it is free, so such a batch never stops."""
+        beats plain decoding when it is free, so such a batch never stops. A batch where
+        no tree could pay even for a far better head stops at its start
+        (_drafting_could_pay)."""
         self.retired = True
         self.dynamic = self.fresh = None
 

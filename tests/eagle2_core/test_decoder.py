@@ -44,11 +44,11 @@ def count_calls(monkeypatch, method: str) -> list[int]:
 
 
 def test_drafting_pauses_where_it_cannot_pay_and_outputs_stay_exact(monkeypatch):
-    """Nodes cost a lot and a draft step more: the planner verifies the root alone and
-    the decoder stops drafting for 1, 2, 4 .. rounds; tokens are generate's."""
+    """A node costs half a plain step and a draft step four: the planner verifies the root
+    alone and the decoder stops drafting for 1, 2, 4 .. rounds; tokens are generate's."""
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
-    engine._costs = device_costs(verify_per_node_ms=50.0, draft_ms=40.0)
+    engine._costs = device_costs(verify_per_node_ms=5.0, draft_ms=40.0)
     calls = count_calls(monkeypatch, "draft")
     prompt = prompts(96, lengths=(7,))[0]
     got = engine.generate(prompt, DecodeConfig(max_new_tokens=60))
@@ -58,19 +58,20 @@ def test_drafting_pauses_where_it_cannot_pay_and_outputs_stay_exact(monkeypatch)
     assert rounds == 59 and len(calls) <= 1 + rounds // MAX_REST + 5  # 1 + 1 + 2 + 4 + 8 + 16..
 
 
-def dear_nodes(monkeypatch):
-    """A tiny engine whose extra nodes cost the verify forward five plain steps each, its
-    draft calls counted, and two prompts."""
+def dear_nodes(monkeypatch, verify_per_node_ms: float = 5.0):
+    """A tiny engine whose extra nodes cost the verify forward half a plain step each (a
+    good head's drafts could pay, the tiny head's cannot), its draft calls counted, and
+    two prompts."""
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
-    engine._costs = device_costs(verify_per_node_ms=50.0, draft_ms=40.0)
+    engine._costs = device_costs(verify_per_node_ms=verify_per_node_ms, draft_ms=40.0)
     calls = count_calls(monkeypatch, "draft")
     first, second = prompts(96, lengths=(7, 9))
     return target, engine, calls, first, second
 
 
 def test_a_batch_stops_drafting_where_verifying_more_nodes_cannot_pay(monkeypatch):
-    """Each extra node costs the verify forward five plain steps: after the longest pause
+    """The tiny head's drafts do not pay for their nodes: after the longest pause
     the batch stops drafting for good (1 + 1 + 2 + 4 + 8 + 16 rounds, six drafts), its
     rows go on plain and exact, and a batch that starts after it empties drafts again."""
     target, engine, calls, first, second = dear_nodes(monkeypatch)
@@ -104,6 +105,36 @@ def test_rows_joining_a_batch_that_stopped_drafting_skip_the_head(monkeypatch):
     assert added == [] and len(calls) == 6
     assert outputs["second"].token_ids == hf_greedy(target, second, 20)
     assert outputs["first"].token_ids == hf_greedy(target, first, 60)
+
+
+def test_a_batch_where_no_head_could_pay_never_drafts(monkeypatch):
+    """Each extra node costs the verify forward five plain steps, more than the best head
+    could bring: the batch stops drafting before the head reads a prompt, its rows decode
+    plain and exact, and so does the next batch."""
+    target, engine, calls, first, second = dear_nodes(monkeypatch, verify_per_node_ms=50.0)
+    added = count_calls(monkeypatch, "add_rows")
+    decoder = BatchDecoder(engine, batch_size=2)
+    for key, prompt in (("first", first), ("second", second)):
+        decoder.add(key, prompt, DecodeConfig(max_new_tokens=30))
+    outputs = dict(decoder.step())
+    assert decoder.retired and decoder.dynamic is None
+    while decoder.active:
+        outputs.update(decoder.step())
+    assert outputs["first"].token_ids == hf_greedy(target, first, 30)
+    assert outputs["second"].token_ids == hf_greedy(target, second, 30)
+    assert outputs["first"].stats.mean_tree_size == 1.0
+    decoder.add("again", first, DecodeConfig(max_new_tokens=5))
+    while not decoder.step():
+        pass
+    assert added == [] and calls == []
+
+
+def test_fixed_trees_draft_where_no_head_could_pay(monkeypatch):
+    """total_tokens set: the trees the user asked for, whatever the device charges."""
+    target, engine, calls, first, _ = dear_nodes(monkeypatch, verify_per_node_ms=50.0)
+    got = engine.generate(first, DecodeConfig(max_new_tokens=10, total_tokens=4))
+    assert got.token_ids == hf_greedy(target, first, 10)
+    assert len(calls) == got.stats.n_cycles and got.stats.mean_tree_size > 1
 
 
 def test_a_batch_keeps_probing_where_only_drafting_is_dear(monkeypatch):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import random
 
+import pytest
 import torch
 
 from eagle2_core.cost import TREE_GRID, CostModel
-from eagle2_core.plan import Calibration, Planner
+from eagle2_core.plan import BEST_ACCEPT, Calibration, Planner, best_tree_tokens
 from eagle2_core.tree import Pool
 
 
@@ -107,3 +110,47 @@ def test_each_row_keeps_within_its_cap():
     plan = Planner(costs(0.1), Calibration(), 2, 256, [3, 128], top_k=10, depth=12)
     n = plan.sizes(chain_pool(2, p=0.95))
     assert n[0] == 3 and n[1] > 3
+
+
+def test_the_best_tree_tokens_of_a_head_right_at_most_accept_of_the_time():
+    """The root, then the likeliest nodes of the binary tree of shares 0.8 and 0.2: down
+    the chain (0.8, 0.64, 0.512, 0.4096 ..) until its next node falls below the root's
+    second child (0.2), then the chain again (0.168 beats that child's own 0.16)."""
+    tokens = best_tree_tokens(9, accept=0.8).tolist()
+    chain = [0.8**d for d in range(8)]  # 1 .. 0.21
+    expected = [0.0, *itertools.accumulate(chain), sum(chain) + 0.2]
+    assert tokens == pytest.approx(expected)
+    assert best_tree_tokens(10, accept=0.8)[10] == pytest.approx(expected[-1] + 0.8**8)
+
+
+def random_tree_tokens(rng: random.Random, nodes: int, accept: float) -> float:
+    """Expected tokens of the best `nodes`-node tree when each node's guesses have random
+    chances: the first up to `accept`, the rest sharing up to what is left."""
+    chances, frontier = [], [1.0]
+    while len(chances) < nodes:
+        frontier.sort()
+        chance = frontier.pop()
+        chances.append(chance)
+        first = accept * rng.choice([1.0, rng.random()])
+        rest = [rng.random() for _ in range(rng.randint(0, 4))]
+        left = (1 - first) * rng.choice([1.0, rng.random()])
+        shares = [first] + [min(r / sum(rest) * left, first) for r in rest]
+        frontier += [chance * share for share in shares]
+    return sum(chances)
+
+
+def test_no_tree_of_a_head_right_at_most_accept_of_the_time_beats_the_bound():
+    rng = random.Random(0)
+    bound = best_tree_tokens(24)
+    for _ in range(500):
+        nodes = rng.randint(1, 24)
+        assert random_tree_tokens(rng, nodes, BEST_ACCEPT) <= bound[nodes] + 1e-9
+
+
+def test_a_batch_could_pay_only_where_extra_nodes_cost_little():
+    """Nodes past eight cost 3 ms against a 30 ms forward: one row could gain from any
+    head near BEST_ACCEPT; 16 rows pay 48 ms for a second node each, where two tokens
+    would have to come from 78 / 30 = 2.6 plain steps' time."""
+    assert planner(costs(per_node_ms=3.0), rows=1).could_pay()
+    assert not planner(costs(per_node_ms=3.0), rows=16).could_pay()
+    assert planner(costs(per_node_ms=0.0), rows=16).could_pay()
