@@ -15,6 +15,7 @@ import torch
 
 from eagle2_core.config import DEFAULT_BATCH_SIZE, DecodeConfig
 from eagle2_core.cost import (
+    CONTEXT,
     MAX_AUTO_BATCH,
     CostModel,
     load_or_measure,
@@ -29,7 +30,7 @@ from eagle2_core.generation import DecodeStats, Generation, PromptError, seeded_
 from eagle2_core.kv import RESERVE_SLOTS
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.models import Target, load_target
-from eagle2_core.plan import Calibration
+from eagle2_core.plan import MAX_NODES, Calibration, Planner
 from eagle2_core.registry import DraftUnavailableError, draft_source, encode_chat
 from eagle2_core.vocab import DraftVocab
 
@@ -118,6 +119,20 @@ class Engine:
         largest = MAX_AUTO_BATCH.get(self.target.device.type, MAX_AUTO_BATCH["cpu"])
         costs = self.costs(largest, on_measure)
         return shard_batch(costs, samples, self.auto_batch_limit(), largest)
+
+    def drafts_at(self, rows: int, config: DecodeConfig) -> bool:
+        """Whether a batch of `rows` rows of `config` drafts at all on this device: plain
+        decoding never; fixed trees always; trees sized by cost where any could pay
+        (Planner.could_pay at the cost table's context). What `run` tells a user before
+        decoding; the decoder checks each batch's own prompts."""
+        if config.mode == "vanilla" or self.lean_head is None:
+            return False
+        if config.mode != "eagle2" or not config.planned:
+            return True
+        width, depth = config.tree_width, config.tree_depth
+        caps = [MAX_NODES] * rows
+        planner = Planner(self.costs(rows), self.calibration, rows, CONTEXT, caps, width, depth)
+        return planner.could_pay()
 
     def auto_batch_limit(self) -> int:
         """The most rows an auto batch may take: the largest size measured, and what half

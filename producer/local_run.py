@@ -76,6 +76,20 @@ def _load_decoder(spec: JobSpec, device: str, batch_size: int | str | None) -> A
         raise JobError(one_line(exc)) from exc
 
 
+def _rows_line(decoder: Any, spec: JobSpec, rows: int) -> str:
+    """What `run` says before decoding: the rows at once, and where EAGLE-2 trees sized by
+    cost could not pay at that many on this device, that they decode plain (the tau of
+    1.00 in the stats then is this machine's verdict, not a broken head)."""
+    from eagle2_core.config import DecodeConfig
+
+    line = f"decoding up to {rows} sequences at once"
+    if spec.auto_tree:
+        config = DecodeConfig.from_settings(spec.mode, spec.settings.decode_for({}))
+        if not decoder.engine.drafts_at(rows, config):
+            line += f", plain: no draft tree could pay at {rows} rows on this machine"
+    return line
+
+
 # (engine, database URL, job id, output folder, device): a hook run before each shard
 RoundHook = Callable[[Engine, str, str, Path, str], None]
 
@@ -172,7 +186,7 @@ def run_job(
                     if spec.auto_tree:
                         decoder.engine.costs(decoder.batch_size, on_measure=_announce_measuring)
                     rows = min(decoder.rows_for(samples), samples)
-                print(f"decoding up to {rows} sequences at once", file=sys.stderr, flush=True)
+                print(_rows_line(decoder, spec, rows), file=sys.stderr, flush=True)
 
                 def adapt() -> None:
                     if spec.settings.adapt_draft and between_shards is not None:

@@ -9,25 +9,17 @@ import pytest
 import torch
 
 from eagle2_core.config import DecodeConfig
-from eagle2_core.cost import TREE_GRID, WIDTH_GRID, CostModel
 from eagle2_core.decoder import GROUP_COST_TOKENS, MAX_REST, PREFILL_TOKENS, BatchDecoder, _groups
 from eagle2_core.dynamic import DynamicDrafter, Fresh, extend_fresh
 from eagle2_core.engine import Engine
-from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
-
-
-def device_costs(verify_per_node_ms: float, draft_ms: float) -> CostModel:
-    batches = [1, 16]
-    return CostModel(
-        key="test",
-        measured_at=0.0,
-        batch_grid=batches,
-        tree_grid=list(TREE_GRID),
-        verify_ms=[[10.0 + verify_per_node_ms * (b * n - 1) for n in TREE_GRID] for b in batches],
-        width_grid=list(WIDTH_GRID),
-        draft_ms=[[draft_ms] * len(WIDTH_GRID) for _ in batches],
-        key_ms=0.0,
-    )
+from tests.eagle2_core.tiny import (
+    OracleDrafter,
+    device_costs,
+    hf_greedy,
+    prompts,
+    tiny_head,
+    tiny_target,
+)
 
 
 def count_calls(monkeypatch, method: str) -> list[int]:

@@ -7,7 +7,14 @@ import pytest
 from eagle2_core.config import DecodeConfig
 from eagle2_core.drafters import PromptLookupDrafter
 from eagle2_core.engine import Engine, PromptError
-from tests.eagle2_core.tiny import OracleDrafter, hf_greedy, prompts, tiny_head, tiny_target
+from tests.eagle2_core.tiny import (
+    OracleDrafter,
+    device_costs,
+    hf_greedy,
+    prompts,
+    tiny_head,
+    tiny_target,
+)
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +131,16 @@ def test_chat_answers_follow_up_turns_in_order(tiny):
     second_prompt = [5, 6, 7] + target.tokenizer(turns[0].text)["input_ids"] + [8, 9, 2]
     assert turns[1].prompt_tokens == len(second_prompt)
     assert turns[1].token_ids == hf_greedy(target, second_prompt, 6)
+
+
+def test_a_batch_drafts_up_to_the_size_where_no_tree_could_pay(tiny):
+    """Each node past the first of all rows costs 4 ms on a 10 ms forward: a second node
+    could pay for one row (1.8 tokens for 1.4x the time), not for sixteen (1.8 tokens for
+    1.9x). Plain decoding never drafts; fixed trees always do."""
+    target, _ = tiny
+    engine = Engine(target, tiny_head(target))
+    engine._costs = device_costs(verify_per_node_ms=4.0, draft_ms=1.0)
+    assert engine.drafts_at(1, DecodeConfig())
+    assert not engine.drafts_at(16, DecodeConfig())
+    assert engine.drafts_at(16, DecodeConfig(total_tokens=8))
+    assert not engine.drafts_at(1, DecodeConfig(mode="vanilla"))

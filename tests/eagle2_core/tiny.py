@@ -14,6 +14,7 @@ from safetensors.torch import save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from eagle2_core.cost import TREE_GRID, WIDTH_GRID, CostModel
 from eagle2_core.draft import DraftHead, new_draft_head
 from eagle2_core.models import Target, target_from_model
 from eagle2_core.tree import DraftTree
@@ -147,3 +148,19 @@ class OracleDrafter:
         for node in range(1, len(tokens), 2):
             scores[node] -= 0.25
         return DraftTree(torch.tensor(tokens), tuple(parents), scores)
+
+
+def device_costs(verify_per_node_ms: float, draft_ms: float) -> CostModel:
+    """A cost table of 1 and 16 rows: a forward costs 10 ms plus verify_per_node_ms for
+    each node past the first of all rows; a draft step draft_ms."""
+    batches = [1, 16]
+    return CostModel(
+        key="test",
+        measured_at=0.0,
+        batch_grid=batches,
+        tree_grid=list(TREE_GRID),
+        verify_ms=[[10.0 + verify_per_node_ms * (b * n - 1) for n in TREE_GRID] for b in batches],
+        width_grid=list(WIDTH_GRID),
+        draft_ms=[[draft_ms] * len(WIDTH_GRID) for _ in batches],
+        key_ms=0.0,
+    )

@@ -20,9 +20,15 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import func, select
 
+from eagle2_core.engine import Engine
 from producer.cli import main
+from producer.jobs import JobSpec
+from producer.local_run import _rows_line
+from tests.eagle2_core.tiny import device_costs, tiny_head, tiny_target
 from tests.producer.test_jobs import save_tiny_model
 from workers import db
+from workers.decoding import SampleDecoder
+from workers.job_settings import JobSettings
 from workers.parquet_sink import read_job_parquet
 
 EAGLE2_BATCH = str(Path(sys.executable).parent / "eagle2-batch")
@@ -393,3 +399,20 @@ def test_ctrl_c_at_random_moments_loses_and_duplicates_nothing(
         jobs = conn.execute(select(db.jobs_t.c.id, db.jobs_t.c.state)).all()
     engine.dispose()
     assert jobs == [(job_id, "completed")]
+
+
+def test_run_says_where_no_draft_tree_could_pay_at_its_batch() -> None:
+    """A node costs 4 ms on a 10 ms forward: one row drafts, sixteen decode plain, and
+    `run` says so before decoding (their stats will show tau 1.00). Fixed trees draft."""
+    target = tiny_target(eos=None)
+    engine = Engine(target, tiny_head(target))
+    engine._costs = device_costs(verify_per_node_ms=4.0, draft_ms=1.0)
+    decoder = SampleDecoder(engine, model="tiny", draft="random")
+    auto = JobSpec("tiny", "random", "eagle2", JobSettings())
+    assert _rows_line(decoder, auto, 1) == "decoding up to 1 sequences at once"
+    assert _rows_line(decoder, auto, 16) == (
+        "decoding up to 16 sequences at once, plain: no draft tree could pay at 16 rows on "
+        "this machine"
+    )
+    fixed = JobSpec("tiny", "random", "eagle2", JobSettings({"total_tokens": 8}))
+    assert _rows_line(decoder, fixed, 16) == "decoding up to 16 sequences at once"
