@@ -62,6 +62,7 @@ class Speculator(Protocol):
     target: Target
     lean_head: LeanHead | None
     calibration: Calibration
+    accept_ceiling: float  # plan.accept_ceiling of the head
 
     def drafter_for(self, config: DecodeConfig) -> Drafter | None: ...
 
@@ -346,10 +347,11 @@ class BatchDecoder:
 
     def _drafting_could_pay(self, joining: list[Joining]) -> bool:
         """At a batch's start, for rows that size their trees by cost: whether any tree
-        could pay at this many rows even for a far better head than ours
-        (Planner.could_pay). Where not, the batch stops drafting before the head reads a
-        prompt (_retire): at 80 rows on a 2-core CPU in bf16 the head's prefill and its
-        probe rounds until the batch stopped drafting cost 0.5-1.2 s of an 18 s job."""
+        could pay at this many rows for a head right as often as this one could be
+        (Planner.could_pay at the engine's accept_ceiling). Where not, the batch stops
+        drafting before the head reads a prompt (_retire): at 80 rows on a 2-core CPU in
+        bf16 the head's prefill and its probe rounds until the batch stopped drafting
+        cost 0.5-1.2 s of an 18 s job."""
         if not all(j.config.planned for j in joining):
             return True
         room = self.target.max_context
@@ -357,7 +359,7 @@ class BatchDecoder:
         costs = self.engine.costs(self.batch_size)
         rows, calibration = len(joining), self.engine.calibration
         planner = Planner(costs, calibration, rows, self.kv.slots, caps, *self.shape)
-        return planner.could_pay()
+        return planner.could_pay(self.engine.accept_ceiling)
 
     def _join_dynamic(self, joins: list[tuple[Joining, torch.Tensor, torch.Tensor]]) -> None:
         """The new rows' (join, features, next_tokens) draft caches take all but their last

@@ -20,6 +20,10 @@ from torch import nn
 from eagle2_core.layers import MLP, RMSNorm, rotary_for, rotate_heads
 from eagle2_core.model_config import ModelConfig, head_config
 
+# config.json's key for a head's held-out top-1 agreement with its target (train-draft
+# writes it; other tools ignore an unknown key)
+HELD_OUT_TOP1 = "held_out_top1"
+
 
 class DraftCheckpointError(ValueError):
     """A draft checkpoint is unreadable or does not fit the target."""
@@ -92,6 +96,7 @@ class DraftHead(nn.Module):
         self.config = config = ModelConfig.of(config)
         self.fc_bias = fc_bias
         self.qkv_bias = qkv_bias
+        self.held_out_top1: float | None = None  # recorded in config.json (HELD_OUT_TOP1)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList([DraftLayer(config, qkv_bias)])
         self.rotary = rotary_for(config)
@@ -156,6 +161,7 @@ def save_draft(
     directory.mkdir(parents=True, exist_ok=True)
     config = head.config.transformers().to_dict()
     config.update(bias=head.fc_bias, qkv_bias=head.qkv_bias, architectures=["LlamaForCausalLM"])
+    record_top1(config, head)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     state = {
         k: v.detach().to(dtype).contiguous()
@@ -166,6 +172,13 @@ def save_draft(
     if card is not None:
         (directory / "README.md").write_text(card)
     return directory
+
+
+def record_top1(config: dict, head: nn.Module) -> None:
+    """Into a head's config.json: its held-out top-1 agreement with the target, where
+    known. The planner bounds what the head could bring by it (plan.accept_ceiling)."""
+    if head.held_out_top1 is not None:
+        config[HELD_OUT_TOP1] = round(float(head.held_out_top1), 4)
 
 
 def read_state(directory: Path) -> dict[str, torch.Tensor]:
@@ -212,6 +225,7 @@ def load_draft(directory: str | Path, target_config=None) -> DraftHead:
     raw = read_config(directory)
     fc_bias = raw.pop("bias", True)
     qkv_bias = raw.pop("qkv_bias", False)
+    held_out_top1 = raw.pop(HELD_OUT_TOP1, None)
     for key in ("architectures", "model_type", "torch_dtype", "dtype", "transformers_version"):
         raw.pop(key, None)
     config = head_config(raw)
@@ -219,6 +233,7 @@ def load_draft(directory: str | Path, target_config=None) -> DraftHead:
         _check_fits(config, raw.get("vocab_size"), target_config, directory)
     state = read_state(directory)
     head = DraftHead(config, fc_bias=fc_bias, qkv_bias=qkv_bias)
+    head.held_out_top1 = held_out_top1
     dtype = next(iter(state.values())).dtype if state else torch.float32
     return load_weights(head, state, directory, "EAGLE").to(dtype).eval()
 

@@ -28,12 +28,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 from eagle2_core.draft import (
+    HELD_OUT_TOP1,
     DraftAttention,
     DraftCache,
     DraftCheckpointError,
     draft_config_for,
     load_weights,
     read_state,
+    record_top1,
 )
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import BatchKV
@@ -80,6 +82,7 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.config = config = ModelConfig.of(config)
         self.layers_used = tuple(layers)
+        self.held_out_top1: float | None = None  # recorded in config.json (HELD_OUT_TOP1)
         target_hidden = config.target_hidden_size or config.hidden_size
         self.fc = nn.Linear(len(layers) * target_hidden, config.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(config)
@@ -145,6 +148,7 @@ def save_eagle3(
         # layer outputs, as configs name them: the input of layer i is the output of i - 1
         eagle_aux_hidden_state_layer_ids=[i - 1 for i in head.layers_used],
     )
+    record_top1(config, head)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     state = {}
     for name, tensor in head.state_dict().items():
@@ -175,6 +179,7 @@ def load_eagle3(directory: Path, raw: dict, target_config) -> Eagle3Head:
     raw = dict(raw)
     layers = _layers(raw, target_config.num_hidden_layers)
     draft_vocab_size = raw.pop("draft_vocab_size", None)
+    held_out_top1 = raw.pop(HELD_OUT_TOP1, None)
     raw.pop("eagle_config", None)
     for key in (
         "architectures",
@@ -214,6 +219,7 @@ def load_eagle3(directory: Path, raw: dict, target_config) -> Eagle3Head:
             f"target's hidden size is {target_config.hidden_size}"
         )
     head = Eagle3Head(config.replace(target_hidden_size=target_hidden), vocab, layers)
+    head.held_out_top1 = held_out_top1
     state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
     dtype = state["fc.weight"].dtype
     return load_weights(head, state, directory, "EAGLE-3").to(dtype).eval()

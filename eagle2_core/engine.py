@@ -30,7 +30,7 @@ from eagle2_core.generation import DecodeStats, Generation, PromptError, seeded_
 from eagle2_core.kv import RESERVE_SLOTS
 from eagle2_core.lean_head import LeanHead
 from eagle2_core.models import Target, load_target
-from eagle2_core.plan import MAX_NODES, Calibration, Planner
+from eagle2_core.plan import MAX_NODES, Calibration, Planner, accept_ceiling
 from eagle2_core.registry import DraftUnavailableError, draft_source, encode_chat
 from eagle2_core.vocab import DraftVocab
 
@@ -79,6 +79,8 @@ class Engine:
         elif self.draft_head is not None:
             self.lean_head = LeanHead.of(self.draft_head, target, vocab)
         self.calibration = Calibration()
+        # the most a batch's drafting is judged by before the head reads a prompt
+        self.accept_ceiling = accept_ceiling(draft_head.held_out_top1 if draft_head else None)
         self._costs: CostModel | None = None
 
     def with_head(
@@ -132,7 +134,7 @@ class Engine:
         width, depth = config.tree_width, config.tree_depth
         caps = [MAX_NODES] * rows
         planner = Planner(self.costs(rows), self.calibration, rows, CONTEXT, caps, width, depth)
-        return planner.could_pay()
+        return planner.could_pay(self.accept_ceiling)
 
     def auto_batch_limit(self) -> int:
         """The most rows an auto batch may take: the largest size measured, and what half

@@ -355,6 +355,8 @@ def train_draft_head(training: DraftTraining) -> tuple[Path, dict[str, Any]]:
         "config": asdict(config),
         "seconds": round(time.perf_counter() - started, 1),
     }
+    # what the planner bounds this head's drafting by (plan.accept_ceiling)
+    head.held_out_top1 = result.validation.top1 if result.validation else None
     head_dir = save_head(head, training.out / "head", vocab, target, model_card(summary, config))
     (training.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return head_dir, summary

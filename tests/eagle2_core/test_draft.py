@@ -8,7 +8,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle2_core.draft import DraftCheckpointError, load_draft, new_draft_head, save_draft
+from eagle2_core.draft import (
+    HELD_OUT_TOP1,
+    DraftCheckpointError,
+    load_draft,
+    new_draft_head,
+    save_draft,
+)
 from tests.eagle2_core.tiny import tiny_target
 
 H, HEADS, KV, FFN, VOCAB = 64, 4, 2, 128, 96
@@ -89,6 +95,19 @@ def test_round_trip_keeps_weights_and_outputs(tmp_path):
     ):
         assert torch.equal(a, b), name
     assert torch.allclose(head_output(head), head_output(loaded))
+
+
+def test_the_held_out_agreement_travels_with_the_head(tmp_path):
+    """train-draft records it; the planner bounds the head's drafting by it. A head that
+    records none (a public checkpoint) loads without it."""
+    target = tiny_target()
+    head = new_draft_head(target.model.config, seed=3)
+    save_draft(head, tmp_path / "plain")
+    assert HELD_OUT_TOP1 not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert load_draft(tmp_path / "plain", target.model.config).held_out_top1 is None
+    head.held_out_top1 = 0.41237
+    save_draft(head, tmp_path / "trained")
+    assert load_draft(tmp_path / "trained", target.model.config).held_out_top1 == 0.4124
 
 
 def test_bf16_save_is_small_and_close(tmp_path):

@@ -11,10 +11,11 @@ from safetensors.torch import save_file
 
 from eagle2_core.config import DecodeConfig
 from eagle2_core.draft import DraftCheckpointError, draft_config_for
-from eagle2_core.eagle3 import ARCHITECTURE, Eagle3Head, LeanEagle3, reference_layers
+from eagle2_core.eagle3 import ARCHITECTURE, Eagle3Head, LeanEagle3, reference_layers, save_eagle3
 from eagle2_core.engine import Engine, load_head
 from eagle2_core.kv import BatchKV
 from eagle2_core.llama import forward
+from eagle2_core.plan import BEST_ACCEPT, accept_ceiling
 from eagle2_core.vocab import DraftVocab
 from tests.eagle2_core.tiny import hf_greedy, prompts, tiny_target
 
@@ -63,6 +64,17 @@ def test_an_eagle3_checkpoint_drafts_and_greedy_output_is_generate(target, tmp_p
     items = [(i, p, DecodeConfig(max_new_tokens=20)) for i, p in enumerate(prompts(96))]
     for i, generation in engine.generate_batch(items, batch_size=3):
         assert generation.token_ids == hf_greedy(target, prompts(96)[i], 20)
+
+
+def test_the_held_out_agreement_round_trips_and_bounds_drafting(target, tmp_path):
+    source = write_checkpoint(target, tmp_path / "head")
+    head, _ = load_head(target, source)
+    assert head.held_out_top1 is None and Engine(target, head).accept_ceiling == BEST_ACCEPT
+    head.held_out_top1 = 0.3
+    save_eagle3(head, tmp_path / "saved")
+    loaded, _ = load_head(target, tmp_path / "saved")
+    assert loaded.held_out_top1 == 0.3
+    assert Engine(target, loaded).accept_ceiling == pytest.approx(accept_ceiling(0.3))
 
 
 def test_the_config_names_the_feature_layers(target, tmp_path):

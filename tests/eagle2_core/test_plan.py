@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagle2_core.cost import TREE_GRID, CostModel
-from eagle2_core.plan import BEST_ACCEPT, Calibration, Planner, best_tree_tokens
+from eagle2_core.plan import BEST_ACCEPT, Calibration, Planner, accept_ceiling, best_tree_tokens
 from eagle2_core.tree import Pool
 
 
@@ -154,3 +154,19 @@ def test_a_batch_could_pay_only_where_extra_nodes_cost_little():
     assert planner(costs(per_node_ms=3.0), rows=1).could_pay()
     assert not planner(costs(per_node_ms=3.0), rows=16).could_pay()
     assert planner(costs(per_node_ms=0.0), rows=16).could_pay()
+
+
+def test_a_head_recorded_as_weaker_is_judged_by_its_own_ceiling():
+    """Nodes past eight cost 2 ms on a 30 ms forward: at 16 rows a second node each costs
+    1.4 plain steps, which a head right 0.8 of the time repays (1.8 tokens) and one
+    right at most 0.625 of the time (held-out top-1 0.375 plus the margin) does not."""
+    assert planner(costs(per_node_ms=2.0), rows=16).could_pay()
+    assert not planner(costs(per_node_ms=2.0), rows=16).could_pay(accept_ceiling(0.375))
+    assert planner(costs(per_node_ms=2.0), rows=1).could_pay(accept_ceiling(0.375))
+
+
+def test_the_ceiling_is_the_recorded_agreement_plus_a_margin_within_bounds():
+    assert accept_ceiling(None) == BEST_ACCEPT  # a head that records nothing
+    assert accept_ceiling(0.375) == pytest.approx(0.625)
+    assert accept_ceiling(0.7) == BEST_ACCEPT
+    assert accept_ceiling(0.05) == 0.5  # where best_tree_tokens' bound holds

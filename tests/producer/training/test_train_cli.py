@@ -73,6 +73,8 @@ def test_train_draft_end_to_end_and_resume(
     target = load_target(str(model_dir))
     head = load_draft(out / "head", target.model.config)
     assert head.fc.weight.shape == (target.hidden_size, 2 * target.hidden_size)
+    # what the planner bounds this head's drafting by (plan.accept_ceiling)
+    assert head.held_out_top1 == pytest.approx(summary["validation"]["top1"], abs=1e-4)
     features = sorted(p.name for p in (out / "features" / "train").iterdir())
     assert features == ["shard-00000.safetensors"]
     # The draft vocabulary: the tokens of the 8 training answers (at most 80 of 96 here).
@@ -211,6 +213,7 @@ def test_train_draft_arch_eagle3_writes_a_public_eagle3_head_that_decodes_exactl
     loaded = load_target(str(model_dir))
     head, vocab = load_head(loaded, out / "head")
     assert isinstance(head, Eagle3Head) and vocab is None
+    assert head.held_out_top1 == pytest.approx(summary["validation"]["top1"], abs=1e-4)
     assert (out / "snapshots" / "tokens-40" / "config.json").exists()
     engine = Engine(loaded, head)
     prompt = [5, 9, 30, 31]
