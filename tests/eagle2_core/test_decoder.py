@@ -121,6 +121,29 @@ def test_a_batch_where_no_head_could_pay_never_drafts(monkeypatch):
     assert added == [] and calls == []
 
 
+def test_a_batch_is_judged_by_the_heads_own_ceiling(monkeypatch):
+    """Extra nodes cost half a plain step: at two rows a head right 0.8 of the time could
+    pay for a second node each (1.8 tokens a row for 25 ms against 1 for 15), a head
+    recorded at 0.1 held-out top-1 (a ceiling of one half) could not: its batch never
+    drafts, and its rows are exact. The same head recording nothing probes."""
+    target, _, calls, first, second = dear_nodes(monkeypatch)
+    added = count_calls(monkeypatch, "add_rows")
+    for recorded, drafts in ((0.1, False), (None, True)):
+        head = tiny_head(target)
+        head.held_out_top1 = recorded
+        engine = Engine(target, head)
+        engine._costs = device_costs(verify_per_node_ms=5.0, draft_ms=40.0)
+        decoder = BatchDecoder(engine, batch_size=2)
+        for key, prompt in (("first", first), ("second", second)):
+            decoder.add(key, prompt, DecodeConfig(max_new_tokens=12))
+        outputs = {}
+        while not outputs or decoder.active:
+            outputs.update(decoder.step())
+        assert outputs["first"].token_ids == hf_greedy(target, first, 12)
+        assert outputs["second"].token_ids == hf_greedy(target, second, 12)
+        assert bool(added) == bool(calls) == drafts
+
+
 def test_fixed_trees_draft_where_no_head_could_pay(monkeypatch):
     """total_tokens set: the trees the user asked for, whatever the device charges."""
     target, engine, calls, first, _ = dear_nodes(monkeypatch, verify_per_node_ms=50.0)
