@@ -1,6 +1,6 @@
 // Decoding attention on a CPU in bf16 and fp32; also RoPE with the cache write, the residual
-// add with its RMSNorm, the greedy token of each row of logits, and the MLP's SiLU with its
-// product (bf16). Compiled on first use by cpu_kernels.py (torch's cpp_extension,
+// add with its RMSNorm, the greedy token of each row of logits (or of an fp32 lm_head
+// screened through a bf16 one), and the MLP's SiLU with its product (bf16). Compiled on first use by cpu_kernels.py (torch's cpp_extension,
 // -march=native); that module's docstring says why each exists.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -756,3 +756,98 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return torch::silu(halves[0]) * halves[1];
 }
 #endif
+
+// hidden . weight_j in fp32 (greedy_head.py: the exact score of a token the screen kept).
+static inline float dot_fp32(const float* h, const float* w, int64_t H) {
+  int64_t d = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= H; d += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(h + d), _mm512_loadu_ps(w + d), acc);
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < H; ++d) total += h[d] * w[d];
+  return total;
+}
+
+// fp32 greedy tokens from a bf16 lm_head (greedy_head.py says why and why it is exact):
+// hidden [N, H] fp32; screen [N, V] bf16, the bf16 product of hidden and the weight;
+// weight [V, H] fp32, dense; norms [V], each weight row's L2 norm. Token j's bf16 score
+// is within bound_j = coeff |h| norms_j + rel |score_j| + 1e-30 of its fp32 score, so
+// only the tokens whose score + bound reaches the highest score - bound could be the
+// fp32 argmax: each row's first maximum of hidden . weight_j over those, or -1 where the
+// row's scores hold a NaN or an infinity (the caller takes the full product there).
+torch::Tensor screened_argmax(torch::Tensor hidden, torch::Tensor screen, torch::Tensor weight,
+                              torch::Tensor norms, double coeff, double rel) {
+  TORCH_CHECK(hidden.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat &&
+                  norms.scalar_type() == torch::kFloat && screen.scalar_type() == torch::kBFloat16,
+              "hidden, weight and norms fp32, screen bf16");
+  hidden = hidden.contiguous();
+  screen = screen.contiguous();
+  TORCH_CHECK(weight.is_contiguous() && norms.is_contiguous(), "weight and norms: dense");
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  TORCH_CHECK(screen.size(0) == N && screen.size(1) == V && weight.size(1) == H &&
+                  norms.size(0) == V, "shapes: hidden [N, H], screen [N, V], weight [V, H]");
+  auto out = torch::empty({N}, hidden.options().dtype(torch::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* hp = hidden.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float* np = norms.data_ptr<float>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(screen.data_ptr());
+  const float c = static_cast<float>(coeff), r = static_cast<float>(rel), tiny = 1e-30f;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* h = hp + i * H;
+      const float scale = c * std::sqrt(dot_fp32(h, h, H));
+      const uint16_t* s = sp + i * V;
+      float floor = -INFINITY, poison = 0.f;  // poison: NaN once a score is NaN or inf
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      __m512 floors = _mm512_set1_ps(-INFINITY), poisons = _mm512_setzero_ps();
+      const __m512 cs = _mm512_set1_ps(scale), rs = _mm512_set1_ps(r), ts = _mm512_set1_ps(tiny);
+      for (; j + 16 <= V; j += 16) {
+        const __m512 x = widen16(s + j);
+        const __m512 bound = _mm512_fmadd_ps(cs, _mm512_loadu_ps(np + j),
+                                             _mm512_fmadd_ps(rs, _mm512_abs_ps(x), ts));
+        floors = _mm512_max_ps(floors, _mm512_sub_ps(x, bound));
+        poisons = _mm512_add_ps(poisons, _mm512_mul_ps(x, _mm512_setzero_ps()));
+      }
+      floor = _mm512_reduce_max_ps(floors);
+      poison = _mm512_reduce_add_ps(poisons);
+#endif
+      for (; j < V; ++j) {
+        const float x = widen1(s[j]);
+        floor = std::max(floor, x - (scale * np[j] + r * std::fabs(x) + tiny));
+        poison += x * 0.f;
+      }
+      int64_t best = -1;
+      float top = -INFINITY;
+      const auto consider = [&](int64_t k) {  // ascending k: the first maximum wins
+        const float exact = dot_fp32(h, wp + k * H, H);
+        if (best < 0 || exact > top) best = k, top = exact;
+      };
+      if (!std::isnan(poison) && !std::isnan(floor)) {
+        j = 0;
+#if defined(__AVX512F__)
+        const __m512 fs = _mm512_set1_ps(floor);
+        for (; j + 16 <= V; j += 16) {
+          const __m512 x = widen16(s + j);
+          const __m512 bound = _mm512_fmadd_ps(cs, _mm512_loadu_ps(np + j),
+                                               _mm512_fmadd_ps(rs, _mm512_abs_ps(x), ts));
+          for (__mmask16 kept = _mm512_cmp_ps_mask(_mm512_add_ps(x, bound), fs, _CMP_GE_OQ);
+               kept; kept &= kept - 1)
+            consider(j + __builtin_ctz(kept));
+        }
+#endif
+        for (; j < V; ++j) {
+          const float x = widen1(s[j]);
+          if (x + (scale * np[j] + r * std::fabs(x) + tiny) >= floor) consider(j);
+        }
+        if (std::isnan(top)) best = -1;
+      }
+      op[i] = best;
+    }
+  });
+  return out;
+}

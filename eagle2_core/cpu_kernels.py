@@ -1,6 +1,7 @@
 """Attention for decoding on a CPU (bf16 and fp32), RoPE with the cache write, the
-residual add with its RMSNorm, the greedy token of each row of logits, and (in bf16) the
-MLP's SiLU with its product, in C++ (cpu_kernels.cpp).
+residual add with its RMSNorm, the greedy token of each row of logits (and of an fp32
+lm_head screened through a bf16 one: greedy_head.py), and (in bf16) the MLP's SiLU with
+its product, in C++ (cpu_kernels.cpp).
 
 A decoding step attends a few new tokens per row (one, or a draft tree's nodes) over that
 row's cache. torch's CPU kernels do this badly: in bf16 its flash kernel took 14.5 ms a
@@ -103,7 +104,14 @@ def kernel() -> ModuleType | None:
         return load_inline(
             name=name,
             cpp_sources=[SOURCE],
-            functions=["decode_attention", "rope_attend", "add_rms_norm", "row_argmax", "silu_mul"],
+            functions=[
+                "decode_attention",
+                "rope_attend",
+                "add_rms_norm",
+                "row_argmax",
+                "silu_mul",
+                "screened_argmax",
+            ],
             extra_cflags=[
                 "-O3",
                 "-march=native",

@@ -494,8 +494,11 @@ class BatchDecoder:
         keys, values = self.kv.layer_views()
         mask = self.kv.tree_mask(trees.ancestors)
         hidden, drafts_read = self._forward(trees.tokens, positions, keys, values, start, mask)
-        logits = target.lm_head(hidden)
-        accepted = self._accept(trees, logits)
+        if self._plain_greedy():  # the tokens alone (Target.greedy_tokens)
+            logits, accepted = None, accept(trees, target.greedy_tokens(hidden))
+        else:
+            logits = target.lm_head(hidden)
+            accepted = self._accept(trees, logits)
         lengths = accepted.lengths.tolist()
         width = max(lengths)
         nodes = accepted.nodes[:, :width]
@@ -508,7 +511,9 @@ class BatchDecoder:
         leaf = nodes.gather(1, (accepted.lengths - 1)[:, None])
         offered = trees.has_children().gather(1, leaf)[:, 0]
         configs = [s.config for s in self.rows]
-        logprobs = path_logprobs(logits, nodes, emitted, lengths, configs)
+        logprobs = (
+            None if logits is None else path_logprobs(logits, nodes, emitted, lengths, configs)
+        )
         if self.dynamic is not None:  # what the draft has to catch up on next
             fresh = Fresh(features, emitted, accepted.lengths)
             self.fresh = extend_fresh(self.fresh, fresh) if skipped else fresh
@@ -556,6 +561,14 @@ class BatchDecoder:
             self.target.lean, ids, positions, keys, values, start, mask, layers
         )
         return hidden, captured if captured is not None else hidden
+
+    def _plain_greedy(self) -> bool:
+        """Whether every row takes the argmax of its raw logits: greedy, no processors,
+        no logprobs (then no round needs the logits themselves)."""
+        return all(
+            seq.config.sampling.greedy and seq.controls is None and not seq.config.logprobs
+            for seq in self.rows
+        )
 
     def _accept(self, trees: TreeBatch, logits: torch.Tensor) -> Accepted:
         """The target's token at every node (argmax, or a sampled row's draws from its own

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from eagle2_core import cpu_kernels
+from eagle2_core.greedy_head import ScreenedHead
 from eagle2_core.kernels import Linear
 from eagle2_core.kv import RaggedKV
 from eagle2_core.llama import LeanLlama, forward
@@ -42,9 +43,11 @@ class Target:
     source: Path | str | None = None  # where `model` loads from when first asked for
     _model: torch.nn.Module | None = field(default=None, repr=False)
     head: Linear = field(init=False, repr=False)  # the lm_head, prepared
+    screened: ScreenedHead | None = field(init=False, repr=False)  # fp32 greedy via bf16
 
     def __post_init__(self) -> None:
         self.head = Linear(self.lm_weight)
+        self.screened = ScreenedHead.of(self.lm_weight)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -83,6 +86,13 @@ class Target:
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of lm_head(hidden) per position, without every logit where it can
+        (an fp32 head on a CPU with fast bf16 products: greedy_head.py)."""
+        if self.screened is not None:
+            return self.screened.tokens(hidden)
+        return cpu_kernels.greedy_tokens(self.lm_head(hidden))
 
     def kv(self) -> RaggedKV:
         """An empty KV cache for this model's layers (each row's entries from its slot 0)."""

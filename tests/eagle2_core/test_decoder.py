@@ -252,3 +252,37 @@ def test_prefill_groups_pad_less_than_filling_each_group_in_turn():
     joining = [SimpleNamespace(prompt_ids=[0] * n) for n in lengths]
     sizes = [[len(join.prompt_ids) for join in group] for group in _groups(joining)]
     assert sizes == [[250], [120, 118, 116, 114]]
+
+
+def test_only_rounds_of_plain_greedy_rows_skip_the_logits(monkeypatch):
+    """Rounds where every row takes its raw argmax read the tokens alone
+    (Target.greedy_tokens); a row that wants logprobs makes its rounds compute every
+    logit. Outputs are `generate`'s either way. (Plain decoding: a draft head reads the
+    lm_head too.)"""
+    target = tiny_target(eos=None)
+    engine = Engine(target)
+    first, second = prompts(96, lengths=(7, 9))
+    logits, tokens = [], []
+    real_head, real_tokens = type(target).lm_head, type(target).greedy_tokens
+    monkeypatch.setattr(type(target), "lm_head", lambda t, h: logits.append(1) or real_head(t, h))
+    monkeypatch.setattr(
+        type(target), "greedy_tokens", lambda t, h: tokens.append(1) or real_tokens(t, h)
+    )
+    for wants_logprobs in (False, True):
+        logits.clear(), tokens.clear()
+        items = [
+            ("first", first, DecodeConfig(mode="vanilla", max_new_tokens=12)),
+            (
+                "second",
+                second,
+                DecodeConfig(mode="vanilla", max_new_tokens=12, logprobs=wants_logprobs),
+            ),
+        ]
+        out = dict(engine.generate_batch(items, batch_size=2))
+        assert out["first"].token_ids == hf_greedy(target, first, 12)
+        assert out["second"].token_ids == hf_greedy(target, second, 12)
+        rounds = out["first"].stats.n_cycles
+        if wants_logprobs:
+            assert tokens == [] and len(logits) == 1 + rounds  # the prefill's, then each
+        else:
+            assert len(logits) == 1 and len(tokens) == rounds  # the prefill's first tokens
