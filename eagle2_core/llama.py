@@ -249,7 +249,7 @@ def self_attention(
         writes = Writes(writes, None, writes + t)
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.dim
     mixed = qkv(x)
-    if cpu_kernels.attends(x, t):  # on a CPU: one pass
+    if cpu_kernels.attends(x, t, dim):  # on a CPU: one pass
         slots = writes.slots_of(b, t, x.device)
         mask = mask if mask is not None else writes.causal(slots)
         return o(cpu_kernels.rope_attend(mixed, angles, keys, values, slots, mask, heads))
@@ -284,7 +284,8 @@ def forward(
     angles = rope(model.rotary, x, positions)
     writes = Writes.of(start, ids.shape[0], ids.shape[1], ids.device)
     captured = {}
-    if mask is None and (writes.span > ids.shape[1] or cpu_kernels.attends(x, ids.shape[1])):
+    tokens = ids.shape[1]
+    if mask is None and (writes.span > tokens or cpu_kernels.attends(x, tokens, model.shape.dim)):
         # once for all layers, not per layer
         mask = writes.causal(writes.slots_of(*ids.shape, ids.device))
     norms = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
