@@ -1,7 +1,8 @@
 // Decoding attention on a CPU in bf16 and fp32; also RoPE with the cache write, the residual
 // add with its RMSNorm, the greedy token of each row of logits (or of an fp32 lm_head
-// screened through a bf16 one), and the MLP's SiLU with its product (bf16). Compiled on first use by cpu_kernels.py (torch's cpp_extension,
-// -march=native); that module's docstring says why each exists.
+// screened through a bf16 one), and the MLP's SiLU with its product (bf16). Compiled on
+// first use by cpu_kernels.py (torch's cpp_extension, -march=native); that module's
+// docstring says why each exists.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -801,16 +802,22 @@ torch::Tensor screened_argmax(torch::Tensor hidden, torch::Tensor screen, torch:
       const float* h = hp + i * H;
       const float scale = c * std::sqrt(dot_fp32(h, h, H));
       const uint16_t* s = sp + i * V;
+      // token j's bound (greedy_head.py), for one score and for 16 from j
+      const auto bound1 = [&](float x, int64_t j) {
+        return scale * np[j] + r * std::fabs(x) + tiny;
+      };
       float floor = -INFINITY, poison = 0.f;  // poison: NaN once a score is NaN or inf
       int64_t j = 0;
 #if defined(__AVX512F__)
-      __m512 floors = _mm512_set1_ps(-INFINITY), poisons = _mm512_setzero_ps();
       const __m512 cs = _mm512_set1_ps(scale), rs = _mm512_set1_ps(r), ts = _mm512_set1_ps(tiny);
+      const auto bound16 = [&](__m512 x, int64_t j) {
+        return _mm512_fmadd_ps(cs, _mm512_loadu_ps(np + j),
+                               _mm512_fmadd_ps(rs, _mm512_abs_ps(x), ts));
+      };
+      __m512 floors = _mm512_set1_ps(-INFINITY), poisons = _mm512_setzero_ps();
       for (; j + 16 <= V; j += 16) {
         const __m512 x = widen16(s + j);
-        const __m512 bound = _mm512_fmadd_ps(cs, _mm512_loadu_ps(np + j),
-                                             _mm512_fmadd_ps(rs, _mm512_abs_ps(x), ts));
-        floors = _mm512_max_ps(floors, _mm512_sub_ps(x, bound));
+        floors = _mm512_max_ps(floors, _mm512_sub_ps(x, bound16(x, j)));
         poisons = _mm512_add_ps(poisons, _mm512_mul_ps(x, _mm512_setzero_ps()));
       }
       floor = _mm512_reduce_max_ps(floors);
@@ -818,7 +825,7 @@ torch::Tensor screened_argmax(torch::Tensor hidden, torch::Tensor screen, torch:
 #endif
       for (; j < V; ++j) {
         const float x = widen1(s[j]);
-        floor = std::max(floor, x - (scale * np[j] + r * std::fabs(x) + tiny));
+        floor = std::max(floor, x - bound1(x, j));
         poison += x * 0.f;
       }
       int64_t best = -1;
@@ -833,16 +840,15 @@ torch::Tensor screened_argmax(torch::Tensor hidden, torch::Tensor screen, torch:
         const __m512 fs = _mm512_set1_ps(floor);
         for (; j + 16 <= V; j += 16) {
           const __m512 x = widen16(s + j);
-          const __m512 bound = _mm512_fmadd_ps(cs, _mm512_loadu_ps(np + j),
-                                               _mm512_fmadd_ps(rs, _mm512_abs_ps(x), ts));
-          for (__mmask16 kept = _mm512_cmp_ps_mask(_mm512_add_ps(x, bound), fs, _CMP_GE_OQ);
-               kept; kept &= kept - 1)
+          const __m512 reach = _mm512_add_ps(x, bound16(x, j));
+          for (__mmask16 kept = _mm512_cmp_ps_mask(reach, fs, _CMP_GE_OQ); kept;
+               kept &= kept - 1)
             consider(j + __builtin_ctz(kept));
         }
 #endif
         for (; j < V; ++j) {
           const float x = widen1(s[j]);
-          if (x + (scale * np[j] + r * std::fabs(x) + tiny) >= floor) consider(j);
+          if (x + bound1(x, j) >= floor) consider(j);
         }
         if (std::isnan(top)) best = -1;
       }

@@ -141,7 +141,7 @@ FP32_TOKENS = 4  # new tokens per row up to which the AVX2 fp32 attention beats 
 @cache
 def _avx512() -> bool:
     """Whether this CPU runs AVX-512 (the kernels build for it: -march=native)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return torch.cpu._is_avx512_supported()
 
 
 def norms(x: torch.Tensor) -> bool:

@@ -71,7 +71,7 @@ class ScreenedHead:
 
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each row's fp32 argmax of hidden [..., H] x weight^T (the first maximum)."""
-        flat = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
+        flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
         scores = self.screen(flat.to(torch.bfloat16))
         coeff, rel = bounds(flat.shape[-1])
         tokens = cpu_kernels.kernel().screened_argmax(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -43,11 +44,15 @@ class Target:
     source: Path | str | None = None  # where `model` loads from when first asked for
     _model: torch.nn.Module | None = field(default=None, repr=False)
     head: Linear = field(init=False, repr=False)  # the lm_head, prepared
-    screened: ScreenedHead | None = field(init=False, repr=False)  # fp32 greedy via bf16
 
     def __post_init__(self) -> None:
         self.head = Linear(self.lm_weight)
-        self.screened = ScreenedHead.of(self.lm_weight)
+
+    @cached_property
+    def screened(self) -> ScreenedHead | None:
+        """fp32 greedy tokens via bf16 (greedy_head.py), prepared at the first greedy
+        round: its bf16 copy took ~40 ms that training and other loads never use."""
+        return ScreenedHead.of(self.lm_weight)
 
     @property
     def model(self) -> torch.nn.Module:
