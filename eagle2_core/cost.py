@@ -42,7 +42,7 @@ from eagle2_core.registry import cache_root
 
 log = logging.getLogger(__name__)
 
-COST_VERSION = 11  # bumped when the engine's kernels change what a forward costs
+COST_VERSION = 12  # bumped when the engine's kernels change what a forward costs
 STALE_DAYS = 14
 CONTEXT = 256  # context slots of the measured forwards
 LONG_CONTEXT = 1024  # second context, for key_ms
@@ -253,10 +253,16 @@ def _time_grid(
     A shared machine's noise comes in bursts that only ever slow a run down. So the grid
     is passed over repeatedly, each pass a point's run after other points' (a burst then
     spoils different points each pass), and a point is settled when a second run lands
-    within CONFIRM of its best: up to MAX_PASSES passes. Small shapes get an untimed first
-    run (oneDNN builds a kernel per shape); large ones, long and steady, are timed twice:
-    once was not enough on a shared VM, where one burst made B=64 cost 330 ms against
-    255 ms in another table and took --batch-size auto from 80 rows to 40.
+    within CONFIRM of its best: up to MAX_PASSES passes. Large shapes, long and steady, are
+    timed twice: once was not enough on a shared VM, where one burst made B=64 cost 330 ms
+    against 255 ms in another table and took --batch-size auto from 80 rows to 40.
+
+    Every timed run follows an untimed one of the same point: oneDNN builds a kernel per
+    shape, and a point's cache may be new in this pass, whose first read maps its pages
+    (twice the time of a warm forward at 64 rows on the AMX Xeon). Warmed on the first
+    pass only, a point that first pass's burst spoiled was timed cold ever after, never
+    confirmed a faster run, and kept the burst: B=64 cost as much as B=128, so two nodes
+    a row looked free and EAGLE-2 drafted at 80 rows, 1.33x slower than plain decoding.
     """
     times: dict[tuple, list[float]] = {point: [] for point in points}
 
@@ -266,14 +272,13 @@ def _time_grid(
             return len(seen) >= 2
         return sum(t <= min(seen, default=math.inf) * (1 + CONFIRM) for t in seen) >= 2
 
-    for step in range(MAX_PASSES):
+    for _ in range(MAX_PASSES):
         todo = [point for point in points if not settled(point)]
         if not todo:
             break
         for point in todo:
             run = build(*point)
-            if not step:
-                run()
+            run()
             times[point].append(_timed_ms(run, device))
     return {point: min(seen) for point, seen in times.items()}
 
