@@ -43,6 +43,11 @@ BEST_ACCEPT = 0.8
 # prompts: the shipped head agrees 37.5% on held-out chat and its trees reach tau 2.35 on
 # gsm8k against 1.88 on MT-bench (an easier workload, guessed right more often).
 ACCEPT_MARGIN = 0.25
+# The least gain over plain decoding, at its head's ceiling, for which a batch starts
+# drafting: finding out costs the head's prefill of every prompt and the drafting rounds
+# until the batch stops (_retire), 1.4 s of 80 MT-bench rows' 9.2 s of decoding in bf16 on
+# the 2-core AMX Xeon (15%), where the best 2-node tree at the ceiling could gain 8%.
+PROBE_GAIN = 0.15
 
 
 @dataclass
@@ -144,19 +149,20 @@ class Planner:
         return then > now
 
     def could_pay(self, accept: float = BEST_ACCEPT) -> bool:
-        """Whether any tree could beat plain decoding here, drafting free, for a head whose
-        guesses are right at most `accept` of the time (`best_tree_tokens`; a head's own
-        ceiling: `accept_ceiling`). Where not, the extra nodes cost the verify forward
-        more than such a head brings: on a 2-core CPU with a bf16 SmolLM2, from about 48
-        rows (two nodes a row cost 1.9 plain steps at 64), where drafting, tried, only
-        ever cost time."""
+        """Whether any tree could beat plain decoding here by more than PROBE_GAIN, drafting
+        free, for a head whose guesses are right at most `accept` of the time
+        (`best_tree_tokens`; a head's own ceiling: `accept_ceiling`). Where not, the
+        extra nodes cost the verify forward more than such a head brings, or more than
+        finding out costs: on a 2-core CPU with a bf16 SmolLM2, from about 48 rows (two
+        nodes a row cost 1.5-1.9 plain steps at 64), where drafting, tried, only ever
+        cost time."""
         largest = self.verify_ms.shape[0] - 1
         sizes = torch.arange(1, largest + 1)
         caps = torch.tensor(self.caps)[:, None]
         best = best_tree_tokens(largest, accept)
         tokens = best[torch.minimum(sizes[None], caps)].sum(dim=0)
         rate = tokens / (self.calibration.overhead_ms + self.verify_ms[1:])
-        return bool(rate.max() > rate[0] * (1 + TOLERANCE))
+        return bool(rate.max() > rate[0] * (1 + PROBE_GAIN))
 
     def sizes(self, pool: Pool) -> list[int]:
         """Nodes to verify per row: the best common size, within each row's cap. Sets

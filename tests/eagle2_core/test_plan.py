@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from eagle2_core.cost import TREE_GRID, CostModel
-from eagle2_core.plan import BEST_ACCEPT, Calibration, Planner, accept_ceiling, best_tree_tokens
+from eagle2_core.plan import (
+    BEST_ACCEPT,
+    PROBE_GAIN,
+    Calibration,
+    Planner,
+    accept_ceiling,
+    best_tree_tokens,
+)
 from eagle2_core.tree import Pool
 
 
@@ -157,12 +164,22 @@ def test_a_batch_could_pay_only_where_extra_nodes_cost_little():
 
 
 def test_a_head_recorded_as_weaker_is_judged_by_its_own_ceiling():
-    """Nodes past eight cost 2 ms on a 30 ms forward: at 16 rows a second node each costs
-    1.4 plain steps, which a head right 0.8 of the time repays (1.8 tokens) and one
-    right at most 0.625 of the time (held-out top-1 0.375 plus the margin) does not."""
-    assert planner(costs(per_node_ms=2.0), rows=16).could_pay()
-    assert not planner(costs(per_node_ms=2.0), rows=16).could_pay(accept_ceiling(0.375))
-    assert planner(costs(per_node_ms=2.0), rows=1).could_pay(accept_ceiling(0.375))
+    """Nodes past eight cost 1 ms on a 30 ms forward: at 16 rows a second node each costs
+    54 / 38 = 1.42 plain steps, which a head right 0.8 of the time repays with room to
+    spare (1.8 tokens, 27% more) and one right at most 0.625 of the time (held-out top-1
+    0.375 plus the margin) does not by PROBE_GAIN (14% more at best)."""
+    assert planner(costs(per_node_ms=1.0), rows=16).could_pay()
+    assert not planner(costs(per_node_ms=1.0), rows=16).could_pay(accept_ceiling(0.375))
+    assert planner(costs(per_node_ms=1.0), rows=1).could_pay(accept_ceiling(0.375))
+
+
+def test_a_batch_drafts_only_where_the_best_gain_repays_finding_out():
+    """Where a second node a row costs 42 / 34 = 1.24 plain steps at 16 rows, a head right
+    at most 0.625 of the time could gain 32% (1.625 tokens), above PROBE_GAIN: that batch
+    drafts. At 1.42 (above) the same head could gain only 14%: less than its prefill and
+    probe rounds would cost."""
+    assert PROBE_GAIN > 1.625 / (54 / 38) - 1
+    assert planner(costs(per_node_ms=0.5), rows=16).could_pay(accept_ceiling(0.375))
 
 
 def test_the_ceiling_is_the_recorded_agreement_plus_a_margin_within_bounds():
