@@ -182,10 +182,10 @@ def accept_ceiling(held_out_top1: float | None) -> float:
     """The largest share of the time a head's guess could be right on a job's prompts:
     its held-out top-1 agreement (recorded by train-draft) plus ACCEPT_MARGIN, between a
     half (where `best_tree_tokens` holds) and BEST_ACCEPT; BEST_ACCEPT for a head that
-    records none. At 80 rows on the 2-core
-    Zen 5 EPYC a head right 0.8 of the time could gain 8% in fp32 (a second node a row
-    costs 1.66 plain steps), so the shipped head (37.5%) probed every batch: its prefill
-    and probe rounds cost 3-4% of the decoding before the batch stopped drafting."""
+    records none. At 80 rows on the 2-core Zen 5 EPYC a head right 0.8 of the time could
+    gain 8% in fp32 (a second node a row costs 1.66 plain steps), so the shipped head
+    (37.5%) probed every batch: its prefill and probe rounds cost 3-4% of the decoding
+    before the batch stopped drafting."""
     if held_out_top1 is None:
         return BEST_ACCEPT
     return min(BEST_ACCEPT, max(0.5, held_out_top1 + ACCEPT_MARGIN))
