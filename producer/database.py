@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import overload
 
-from alembic.util import CommandError
 from sqlalchemy import Engine, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -36,7 +35,7 @@ def prepare_database(url: str) -> None:
     """Create or migrate the schema at `url` (what `run` does before its job)."""
     try:
         migrations.upgrade(url)
-    except (CommandError, SQLAlchemyError) as exc:
+    except (migrations.MigrationError, SQLAlchemyError) as exc:
         raise JobError(f"cannot prepare the database {safe_url(url)}: {exc}") from exc
 
 

@@ -24,7 +24,7 @@ def upgrade(url: str | None) -> None:
     url = resolve_url(url)
     try:
         migrations.upgrade(url)
-    except (CommandError, SQLAlchemyError) as exc:
+    except (migrations.MigrationError, SQLAlchemyError) as exc:
         raise click.ClickException(f"upgrade failed: {one_line(exc)}") from exc
     click.echo(f"database at head: {safe_url(url)}")
 
