@@ -3,6 +3,7 @@ their content."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -86,6 +87,39 @@ def test_gguf_copies_are_named_for_their_content(tmp_path: Path, monkeypatch) ->
     os.utime(tune, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert content_key(tune) != before
     assert content_key(tune) == content_key(tune)  # remembered, not re-read
+
+
+def test_a_gguf_is_read_for_its_key_once_across_processes(tmp_path: Path, monkeypatch) -> None:
+    """A later process takes the key from the cache folder instead of hashing the file
+    again; what it finds there is used only if it is a whole digest."""
+    monkeypatch.setenv("EAGLE2_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a" * 4096)
+    key = content_key(path)
+    registry._digest.cache_clear()  # as a new process
+    with monkeypatch.context() as patched:
+        patched.setattr(hashlib, "file_digest", _never_read)
+        assert content_key(path) == key
+    (memo,) = (cache_root() / "digests").iterdir()
+    memo.write_text(key[:40])  # cut short
+    registry._digest.cache_clear()
+    assert content_key(path) == key
+    assert len(memo.read_text()) == 64
+
+
+def test_a_cache_folder_that_cannot_be_written_costs_only_the_reread(
+    tmp_path: Path, monkeypatch
+) -> None:
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file, not a folder")
+    monkeypatch.setenv("EAGLE2_CACHE_DIR", str(blocked))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a" * 4096)
+    assert content_key(path) == hashlib.sha256(b"a" * 4096).hexdigest()[:32]
+
+
+def _never_read(*_args: object) -> None:
+    raise AssertionError("the file was hashed again")
 
 
 @pytest.mark.slow
