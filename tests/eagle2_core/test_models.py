@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from eagle2_core.llama import forward
-from eagle2_core.models import Target, load_target, read_weights
-from tests.eagle2_core.tiny import save_target, tiny_target
+from eagle2_core.models import Target, load_target, read_weights, stop_token_ids
+from tests.eagle2_core.tiny import save_target, tiny_target, tiny_tokenizer
 
 
 def logits(target: Target, ids: torch.Tensor) -> torch.Tensor:
@@ -82,3 +82,11 @@ def test_loading_imports_no_transformers_modeling_code(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == "96"
+
+
+def test_stop_ids_hold_the_end_of_turn_tokens_the_vocab_has_and_never_unk() -> None:
+    tokenizer = tiny_tokenizer(8, eos=3)  # unknown tokens map to t0
+    assert stop_token_ids(None, tokenizer) == {3}
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>", "</s>"]})
+    im_end, end = tokenizer.convert_tokens_to_ids(["<|im_end|>", "</s>"])
+    assert stop_token_ids([5], tokenizer) == {3, 5, im_end, end}
