@@ -19,7 +19,7 @@ from sqlalchemy import Column, Connection, MetaData, PrimaryKeyConstraint, Strin
 from sqlalchemy import inspect as inspect_db
 
 from workers.db import make_engine
-from workers.schema import Base
+from workers.schema import metadata
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -79,7 +79,7 @@ def _at_head_without_alembic(conn: Connection) -> bool:
     build: a test compares the two). False leaves the rest to Alembic."""
     tables = inspect_db(conn).get_table_names()
     if not tables:
-        Base.metadata.create_all(conn)
+        metadata.create_all(conn)
         _VERSION.create(conn)
         conn.execute(_VERSION.insert().values(version_num=HEAD))
         return True

@@ -10,11 +10,11 @@ from alembic import context
 from sqlalchemy.engine import Connection
 
 from workers.db import make_engine
-from workers.schema import Base
+from workers.schema import metadata
 from workers.settings import load_settings
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = metadata
 
 
 def _run(connection: Connection) -> None:
