@@ -58,6 +58,11 @@ def _in(column: str, values: Sequence[str]) -> str:
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
 
 
+def _job_key() -> Column:
+    """The first key column of a table whose rows belong to a job: they go with it."""
+    return Column("job_id", String(64), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+
+
 # The tables share one MetaData, whose naming convention names every constraint.
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -88,7 +93,7 @@ jobs_t = Table(
 requests_t = Table(
     "requests",
     metadata,
-    Column("job_id", String(64), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    _job_key(),
     Column("sample_id", String(255), primary_key=True),
     Column("line_no", Integer, nullable=False),
     Column("shard", Integer, nullable=False),
@@ -102,7 +107,7 @@ requests_t = Table(
 prompts_t = Table(
     "prompts",
     metadata,
-    Column("job_id", String(64), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    _job_key(),
     Column("request_id", String(255), primary_key=True),
     Column("payload", JSONType, nullable=False),
 )
@@ -112,7 +117,7 @@ prompts_t = Table(
 shards_t = Table(
     "shards",
     metadata,
-    Column("job_id", String(64), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    _job_key(),
     Column("shard", Integer, primary_key=True),
     Column("line_start", Integer, nullable=False),
     Column("line_end", Integer, nullable=False),
@@ -202,7 +207,7 @@ samples_t = Table(
 head_versions_t = Table(
     "head_versions",
     metadata,
-    Column("job_id", String(64), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    _job_key(),
     Column("version", Integer, primary_key=True),
     Column("created_at", DateTime(timezone=True), default=utcnow, nullable=False),
     Column("published", Boolean, nullable=False),
@@ -221,7 +226,7 @@ head_versions_t = Table(
 rejected_lines_t = Table(
     "rejected_lines",
     metadata,
-    Column("job_id", String(64), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    _job_key(),
     Column("line_no", Integer, primary_key=True),
     Column("sample_id", String(255)),
     Column("reason", Text, nullable=False),
