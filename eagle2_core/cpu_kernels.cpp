@@ -27,6 +27,13 @@ struct Item {
   const T* next_keys;  // the next item's keys (same strides), or nullptr
   int64_t R, S, D, ks, vs;
   float scale;
+  // The row's first P slots as a shared prefix holds them (the same bits as the row's own
+  // copy): read there, where every row of the batch finds them in cache. P = 0: none.
+  const T* pkeys = nullptr;
+  const T* pvalues = nullptr;
+  int64_t P = 0, pks = 0, pvs = 0;
+  const T* key(int64_t s) const { return s < P ? pkeys + s * pks : keys + s * ks; }
+  const T* value(int64_t s) const { return s < P ? pvalues + s * pvs : values + s * vs; }
 };
 
 static inline float widen1(uint16_t x) {
@@ -321,18 +328,24 @@ static inline void weigh_wide(const Item<T>& it, const float* scores, int64_t st
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_ps();
   const float* p0 = scores + r0 * stride;
-  for (int64_t s = 0; s < it.S; ++s) {
-    const T* vr = it.values + s * it.vs + c0;
-    __m512 v[4];
+  // the shared prefix's slots, then the row's own: one order of additions either way
+  const auto span = [&](const T* base, int64_t step, int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const T* vr = base + s * step + c0;
+      __m512 v[4];
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) v[c] = load16(vr + 16 * c);
+      for (int c = 0; c < 4; ++c) v[c] = load16(vr + 16 * c);
 #pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 p = _mm512_set1_ps(p0[r * stride + s]);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 p = _mm512_set1_ps(p0[r * stride + s]);
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_fmadd_ps(p, v[c], sums[r][c]);
+        for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_fmadd_ps(p, v[c], sums[r][c]);
+      }
     }
-  }
+  };
+  const int64_t shared = std::min(it.P, it.S);
+  span(it.pvalues, it.pvs, 0, shared);
+  span(it.values, it.vs, shared, it.S);
   for (int r = 0; r < ROWS; ++r) {
     const __m512 scale = _mm512_set1_ps(norm[r0 + r]);
 #pragma GCC unroll 4
@@ -351,10 +364,13 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
   float norm[16];
   __m512 peaks[16];
   for (int64_t r = 0; r < it.R; ++r) peaks[r] = neg;
-  // Block by block, every query row (as attend_fp32: a block's keys stay in L1).
-  for (int64_t s0 = 0; s0 < S; s0 += 16) {
-    const int64_t n = std::min<int64_t>(16, S - s0);
-    const T* k0 = it.keys + s0 * it.ks;
+  // Block by block, every query row (as attend_fp32: a block's keys stay in L1). Blocks
+  // end where the shared prefix does: a block's keys lie in one place.
+  for (int64_t s0 = 0, n; s0 < S; s0 += n) {
+    const int64_t shared = s0 < it.P ? std::min(it.P, S) : S;
+    n = std::min<int64_t>(16, shared - s0);
+    const T* k0 = it.key(s0);
+    const int64_t kstep = s0 < it.P ? it.pks : it.ks;
     // Ahead of their use: the keys two blocks on into L1; this block's values into L2 (they
     // are read after every block's scores, and in L1 they pushed out the keys still to
     // come); the next item's keys into L2 (its rows lie elsewhere, where the hardware's
@@ -362,9 +378,8 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
     // (BENCHMARKS.md, "Attention's prefetches").
     for (int64_t j = 0; j < n; ++j)
       for (int64_t d = 0; d < D; d += line) {
-        _mm_prefetch(reinterpret_cast<const char*>(k0 + (32 + j) * it.ks + d), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
-                     _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(it.key(s0 + 32 + j) + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(it.value(s0 + j) + d), _MM_HINT_T1);
         if (it.next_keys != nullptr)
           _mm_prefetch(reinterpret_cast<const char*>(it.next_keys + (s0 + j) * it.ks + d),
                        _MM_HINT_T1);
@@ -374,7 +389,7 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
       __m512 dots[16];
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) dots[j] = _mm512_setzero_ps();
-      dots16(it.q[r], k0, it.ks, D, n, dots);
+      dots16(it.q[r], k0, kstep, D, n, dots);
       const __m128i seen = _mm_maskz_loadu_epi8(lanes, it.visible[r] + s0);
       const __mmask16 vis = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(seen),
                                                    _mm512_set1_epi32(0xff));
@@ -385,6 +400,9 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
   }
   for (int64_t r = 0; r < it.R; ++r) {
     float* sr = scores + r * stride;
+    // past S to the next multiple of 16: nothing (after a short block at the prefix's end,
+    // the last block need not end on one)
+    _mm512_storeu_ps(sr + S, neg);
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peaks[r]));
     __m512 total = _mm512_setzero_ps();
     for (int64_t s0 = 0; s0 < S; s0 += 16) {
@@ -415,7 +433,10 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
 // (a prefill, a large tree) go in blocks of 16 / G, each block up to its last visible slot.
 template <typename T>
 static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                       torch::Tensor visible, double scale, torch::Tensor out) {
+                       torch::Tensor visible, double scale, torch::Tensor out,
+                       const c10::optional<torch::Tensor>& prefix_keys,
+                       const c10::optional<torch::Tensor>& prefix_values,
+                       const c10::optional<torch::Tensor>& prefix_lens) {
   const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t KV = keys.size(1), Sall = keys.size(2), G = H / KV;
   const int64_t block = 16 / G, blocks = (T_ + block - 1) / block;
@@ -436,6 +457,16 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
 #if defined(__AVX2__) && defined(__FMA__)
   vector = std::is_same<T, float>::value && D % 16 == 0;
 #endif
+  // A shared prefix [KV, P, D] and each row's slots that hold it, read there by the wide
+  // kernel (the others read the row's own copy: the same bits).
+  const T* pk = nullptr;
+  const T* pv = nullptr;
+  const int64_t* plens = nullptr;
+  if (wide && prefix_keys.has_value()) {
+    pk = reinterpret_cast<const T*>(prefix_keys->data_ptr());
+    pv = reinterpret_cast<const T*>(prefix_values->data_ptr());
+    plens = prefix_lens->data_ptr<int64_t>();
+  }
   const int64_t items = B * KV * blocks;
   // first, last, second, second to last...: the decoder sorts rows longest first, and
   // each thread's contiguous share of items should hold long and short rows alike
@@ -456,6 +487,11 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
       it.next_keys = n + 1 < end ? keys_of(order(n + 1)) : nullptr;
       it.R = G * tokens, it.D = D, it.scale = static_cast<float>(scale);
       it.ks = keys.stride(2), it.vs = values.stride(2);
+      if (plens != nullptr && plens[b] > 0) {
+        it.pkeys = pk + h * prefix_keys->stride(0);
+        it.pvalues = pv + h * prefix_values->stride(0);
+        it.P = plens[b], it.pks = prefix_keys->stride(1), it.pvs = prefix_values->stride(1);
+      }
       it.S = 0;  // up to the block's last visible slot (rows differ in length)
       for (int64_t r = 0; r < it.R; ++r) {  // row r: query head h * G + r / tokens
         const int64_t t = t0 + r % tokens, head = h * G + r / tokens;
@@ -484,18 +520,46 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
   });
 }
 
+// prefix_keys, prefix_values [KV, P, D] (D contiguous) and prefix_lens [B] int64: row b's
+// first prefix_lens[b] slots hold the prefix's (a shared system prompt copied into every
+// row); all three or none.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                               torch::Tensor visible, double scale) {
+                               torch::Tensor visible, double scale,
+                               c10::optional<torch::Tensor> prefix_keys,
+                               c10::optional<torch::Tensor> prefix_values,
+                               c10::optional<torch::Tensor> prefix_lens) {
   const int64_t H = q.size(2), KV = keys.size(1);
   TORCH_CHECK(H / KV <= 16, "at most 16 query heads per KV head, got ", H / KV);
   TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
               "q, keys and values must share a dtype");
+  TORCH_CHECK(prefix_keys.has_value() == prefix_values.has_value() &&
+                  prefix_keys.has_value() == prefix_lens.has_value(),
+              "prefix keys, values and lengths: all three or none");
+  if (prefix_keys.has_value()) {
+    TORCH_CHECK(prefix_keys->scalar_type() == q.scalar_type() &&
+                    prefix_values->scalar_type() == q.scalar_type(),
+                "the prefix must share q's dtype");
+    TORCH_CHECK(prefix_keys->dim() == 3 && prefix_keys->size(0) == KV &&
+                    prefix_keys->stride(2) == 1 &&
+                    prefix_values->sizes() == prefix_keys->sizes() &&
+                    prefix_values->stride(2) == 1,
+                "the prefix: keys and values [KV, P, D], D contiguous");
+    TORCH_CHECK(prefix_lens->scalar_type() == torch::kLong && prefix_lens->is_contiguous() &&
+                    prefix_lens->numel() == q.size(0),
+                "prefix_lens: [B] int64");
+    const int64_t* lens = prefix_lens->data_ptr<int64_t>();
+    for (int64_t b = 0; b < prefix_lens->numel(); ++b)
+      TORCH_CHECK(lens[b] >= 0 && lens[b] <= prefix_keys->size(1),
+                  "row ", b, " holds ", lens[b], " slots of a prefix of ", prefix_keys->size(1));
+  }
   auto out = torch::empty({q.size(0), q.size(1), H * q.size(3)}, q.options());
   if (q.scalar_type() == torch::kFloat)
-    attend_all<float>(q, keys, values, visible, scale, out);
+    attend_all<float>(q, keys, values, visible, scale, out, prefix_keys, prefix_values,
+                      prefix_lens);
   else {
     TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "bf16 or fp32, got ", q.scalar_type());
-    attend_all<uint16_t>(q, keys, values, visible, scale, out);
+    attend_all<uint16_t>(q, keys, values, visible, scale, out, prefix_keys, prefix_values,
+                         prefix_lens);
   }
   return out;
 }
@@ -636,7 +700,10 @@ static void rope_write(torch::Tensor mixed, torch::Tensor cos, torch::Tensor sin
 // over its first `span` slots. cos, sin [B, T, D]. bf16 or fp32 throughout.
 torch::Tensor rope_attend(torch::Tensor mixed, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
-                          torch::Tensor visible, int64_t heads, double scale) {
+                          torch::Tensor visible, int64_t heads, double scale,
+                          c10::optional<torch::Tensor> prefix_keys,
+                          c10::optional<torch::Tensor> prefix_values,
+                          c10::optional<torch::Tensor> prefix_lens) {
   const int64_t B = mixed.size(0), T_ = mixed.size(1), KV = keys.size(1), D = keys.size(3);
   TORCH_CHECK(mixed.is_contiguous() && mixed.size(2) == (heads + 2 * KV) * D,
               "mixed: [B, T, (H + 2 KV) D]");
@@ -651,7 +718,8 @@ torch::Tensor rope_attend(torch::Tensor mixed, torch::Tensor cos, torch::Tensor 
   else
     rope_write<uint16_t>(mixed, cos, sin, keys, values, slots, q, heads);
   const int64_t span = visible.size(2);
-  return decode_attention(q, keys.narrow(2, 0, span), values.narrow(2, 0, span), visible, scale);
+  return decode_attention(q, keys.narrow(2, 0, span), values.narrow(2, 0, span), visible, scale,
+                          prefix_keys, prefix_values, prefix_lens);
 }
 
 // The index of a row's first maximum, or of its first NaN where it has one (as torch.max

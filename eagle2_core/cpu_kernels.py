@@ -187,16 +187,18 @@ def rope_attend(
     slots: torch.Tensor,
     mask: torch.Tensor,
     heads: int,
+    prefix: Prefix | None = None,
 ) -> torch.Tensor:
     """An attention block's middle in one call: RoPE (cos, sin [B, T, 1, D]) on the
     queries and keys of mixed [B, T, (heads + 2 kv_heads) * D], the new keys and values
     written to slots [B, T] of the cache [B, kv_heads, capacity, D], attention over the
     first mask.shape[-1] slots; [B, T, heads * D]. Each step rounds as llama.rotate, the
-    cache writes and decode_attention do one after the other, in fewer passes."""
+    cache writes and decode_attention do one after the other, in fewer passes. `prefix`:
+    see decode_attention."""
     cos, sin = angles
     return kernel().rope_attend(
         mixed, cos[:, :, 0], sin[:, :, 0], keys, values, slots, mask[:, 0].contiguous(),
-        heads, keys.shape[-1] ** -0.5,
+        heads, keys.shape[-1] ** -0.5, *(prefix or _NO_PREFIX),
     )  # fmt: skip
 
 
@@ -230,11 +232,24 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    prefix: Prefix | None = None,
 ) -> torch.Tensor:
     """q [B, T, heads, D] (as the q|k|v product lays it out) over keys, values
     [B, kv_heads, S, D] (bf16 or fp32, as q) where mask [B, 1, T, S] is True;
-    [B, T, heads * D], what
-    the output projection takes. Each row reads its slots up to its last visible one, so
-    rows of different lengths need no chunking."""
-    return kernel().decode_attention(q, keys, values, mask[:, 0].contiguous(), q.shape[-1] ** -0.5)
+    [B, T, heads * D], what the output projection takes. Each row reads its slots up to
+    its last visible one, so rows of different lengths need no chunking. `prefix`: keys and
+    values [kv_heads, P, D] that row b's first lens[b] slots hold too (int64 [B]), read
+    there by the AVX-512 kernel: one copy for every row, in cache, not one each from
+    memory; the result is the same bits."""
+    return kernel().decode_attention(
+        q, keys, values, mask[:, 0].contiguous(), q.shape[-1] ** -0.5, *(prefix or _NO_PREFIX)
+    )
+
+
+# keys, values [kv_heads, P, D] and lens [B]: a shared prefix as one layer's attention reads it
+Prefix = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_NO_PREFIX = (None, None, None)

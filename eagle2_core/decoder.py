@@ -279,10 +279,12 @@ class BatchDecoder:
         ids = torch.zeros(len(group), width, dtype=torch.long)
         for row, join in enumerate(group):
             ids[row, : lengths[row] - skip] = torch.tensor(join.prompt_ids[skip:])
+        first = self.kv.rows
         keys, values = self.kv.add_rows(lengths, skip + width)
         if shared is not None:
             keys[:, :, :, :skip] = shared.keys
             values[:, :, :, :skip] = shared.values
+            self.kv.hold_prefix(range(first, self.kv.rows), shared.keys, shared.values)
         positions = torch.arange(skip, skip + width, device=device)[None].expand(len(group), width)
         hidden, features = self._forward(ids.to(device), positions, keys, values, skip, None)
         rest = [features[row, : n - skip] for row, n in enumerate(lengths)]
@@ -493,7 +495,9 @@ class BatchDecoder:
         positions = torch.tensor(context_lens, device=device)[:, None] + trees.depths
         keys, values = self.kv.layer_views()
         mask = self.kv.tree_mask(trees.ancestors)
-        hidden, drafts_read = self._forward(trees.tokens, positions, keys, values, start, mask)
+        hidden, drafts_read = self._forward(
+            trees.tokens, positions, keys, values, start, mask, self.kv.prefix_reads()
+        )
         if self._plain_greedy():  # the tokens alone (Target.greedy_tokens)
             logits, accepted = None, accept(trees, target.greedy_tokens(hidden))
         else:
@@ -551,14 +555,14 @@ class BatchDecoder:
             seq.stats.record(step.sizes[row], n - 1, n - 1 + step.offered[row], kept)
 
     def _forward(
-        self, ids, positions, keys, values, start, mask
+        self, ids, positions, keys, values, start, mask, prefix=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's final-norm states [B, T, H] and what the draft head reads of them:
         the same states, or for an EAGLE-3 head the inputs of its three layers [B, T, 3H]."""
         head = self.engine.lean_head
         layers = head.feature_layers if head is not None else ()
         hidden, captured = forward(
-            self.target.lean, ids, positions, keys, values, start, mask, layers
+            self.target.lean, ids, positions, keys, values, start, mask, layers, prefix
         )
         return hidden, captured if captured is not None else hidden
 

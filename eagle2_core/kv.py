@@ -252,6 +252,18 @@ class RowStarts:
     chunks: tuple[tuple[int, int, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class PrefixReads:
+    """A prompt prefix every row copied (a chat template's system prompt), where attention
+    may read it: all rows then read one copy, which stays in cache, instead of a copy each
+    (on a CPU a batch's attention reads its whole cache every step; the same bits either
+    way)."""
+
+    keys: torch.Tensor  # [layers, kv_heads, P, D]
+    values: torch.Tensor
+    lens: torch.Tensor  # [B] int64 (CPU): each row's first slots that hold it, 0 for none
+
+
 class RaggedKV:
     """The target's cache: every row's committed entries fill its first lengths[b] slots,
     no holes, whatever the other rows' lengths.
@@ -276,6 +288,10 @@ class RaggedKV:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.lens: list[int] = []  # committed entries per row
+        # a shared prefix's cache, keys and values [layers, 1, kv_heads, P, D], and each
+        # row's first slots that hold it (prefix_reads)
+        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.prefix_lens: list[int] = []
 
     @property
     def device(self) -> torch.device:
@@ -321,18 +337,39 @@ class RaggedKV:
         first = self.rows
         self.reserve(first + len(lengths), width)
         self.lens += lengths
+        self.prefix_lens += [0] * len(lengths)
         return self.layer_views(slice(first, self.rows))
 
     def copy_prefix(self, source: int, row: int, length: int) -> None:
         """Row `row`'s first `length` slots take row `source`'s entries (a shared prompt)."""
         self.keys[:, row, :, :length] = self.keys[:, source, :, :length]
         self.values[:, row, :, :length] = self.values[:, source, :, :length]
+        self.prefix_lens[row] = min(self.prefix_lens[source], length)
+
+    def hold_prefix(self, rows: range, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`rows` hold keys, values [layers, 1, kv_heads, P, D] (a SharedPrefix's cache) as
+        their first P slots. Rows that hold another prefix read their own copies from now
+        on: one prefix is read shared at a time."""
+        if self.prefix is None or self.prefix[0] is not keys:
+            self.prefix = (keys, values)
+            self.prefix_lens = [0] * self.rows
+        for row in rows:
+            self.prefix_lens[row] = keys.shape[3]
+
+    def prefix_reads(self) -> PrefixReads | None:
+        """Where attention may read the rows' shared prefix (None where no row holds one)."""
+        if self.prefix is None or not any(self.prefix_lens):
+            return None
+        keys, values = self.prefix
+        lens = torch.tensor(self.prefix_lens, dtype=torch.long)
+        return PrefixReads(keys[:, 0], values[:, 0], lens)
 
     def remove_rows(self, rows: list[int]) -> list[int]:
         """Drop the listed rows; rows from the end move into their places. Returns the new
         order: new row i is old row order[i]."""
         order = _fill_holes(self.keys, self.values, self.lens, rows)
         self.lens = [self.lens[i] for i in order]
+        self.prefix_lens = [self.prefix_lens[i] for i in order]
         return order
 
     def reserve_new(self, n: int) -> RowStarts:
@@ -368,6 +405,7 @@ class RaggedKV:
         """Rows move: new row i is old row order[i] (a permutation)."""
         _permute_rows(self.keys, self.values, order, self.slots)
         self.lens = [self.lens[i] for i in order]
+        self.prefix_lens = [self.prefix_lens[i] for i in order]
 
     def tree_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
         """Bool mask [B, 1, N, span] for N new tokens per row, written after the row's own

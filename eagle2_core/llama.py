@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from eagle2_core import cpu_kernels
 from eagle2_core.kernels import Linear
-from eagle2_core.kv import RowStarts
+from eagle2_core.kv import PrefixReads, RowStarts
 from eagle2_core.layers import rotary_for, rotate
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -240,10 +240,12 @@ def self_attention(
     values: torch.Tensor,
     writes: Writes | int,
     mask: torch.Tensor | None,
+    prefix: cpu_kernels.Prefix | None = None,
 ) -> torch.Tensor:
     """The attention block of x [B, T, H] (already normalised): one q|k|v product, RoPE on
     q and k together, the cache write (see `attend`; an int writes slots start..start+T
-    of every row), the output projection."""
+    of every row), the output projection. `prefix`: where the CPU kernel may read the
+    rows' shared prefix (cpu_kernels.decode_attention)."""
     b, t, _ = x.shape
     if isinstance(writes, int):
         writes = Writes(writes, None, writes + t)
@@ -252,7 +254,7 @@ def self_attention(
     if cpu_kernels.attends(x, t, dim):  # on a CPU: one pass
         slots = writes.slots_of(b, t, x.device)
         mask = mask if mask is not None else writes.causal(slots)
-        return o(cpu_kernels.rope_attend(mixed, angles, keys, values, slots, mask, heads))
+        return o(cpu_kernels.rope_attend(mixed, angles, keys, values, slots, mask, heads, prefix))
     qk = rotate(mixed[..., : (heads + kv_heads) * dim].view(b, t, heads + kv_heads, dim), *angles)
     v = mixed[..., (heads + kv_heads) * dim :].view(b, t, kv_heads, dim)
     return o(attend(qk[:, :, :heads], qk[:, :, heads:], v, keys, values, writes, mask))
@@ -271,6 +273,7 @@ def forward(
     start: int | RowStarts,
     mask: torch.Tensor | None = None,
     layers: tuple[int, ...] = (),
+    prefix: PrefixReads | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ids, positions [B, T] -> (final-norm hidden states [B, T, H], the hidden states
     entering the given layers concatenated [B, T, len(layers) * H], or None for no layers:
@@ -279,6 +282,7 @@ def forward(
     keys, values [layers, B, kv_heads, S, D] (`BatchKV.layer_views`): the new entries go to
     slots start..start+T, or for a RaggedKV's RowStarts after each row's own entries.
     mask: see `attend`; None = causal (each new token sees its row's slots up to its own).
+    prefix: a prompt prefix the rows copied (RaggedKV.prefix_reads), read shared.
     """
     x = F.embedding(ids, model.embed)
     angles = rope(model.rotary, x, positions)
@@ -293,9 +297,11 @@ def forward(
     for index, (layer, following) in enumerate(zip(model.layers, norms, strict=True)):
         if index in layers:
             captured[index] = x
+        shared = (prefix.keys[index], prefix.values[index], prefix.lens) if prefix else None
         attended = self_attention(
-            h, layer.qkv, layer.o, model.shape, angles, keys[index], values[index], writes, mask
-        )
+            h, layer.qkv, layer.o, model.shape, angles, keys[index], values[index], writes, mask,
+            shared,
+        )  # fmt: skip
         x, h = add_rms_norm(x, attended, layer.post_norm, model.eps)
         x, h = add_rms_norm(x, mlp(h, layer.gate_up, layer.down), following, model.eps)
     features = torch.cat([captured[i] for i in layers], dim=-1) if layers else None

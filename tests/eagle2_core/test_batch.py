@@ -262,3 +262,37 @@ def test_prompts_sharing_a_prefix_run_it_once(tiny, mode, monkeypatch):
         assert [n for n, _ in shared] == [n for n, _ in own]
         for (_, a), (_, b) in zip(shared, own, strict=True):
             torch.testing.assert_close(a, b)
+
+
+def test_rows_read_the_shared_prefix_in_one_place_and_decode_the_same(monkeypatch):
+    """bf16 with 64-wide heads (the AVX-512 kernel's case): rows that copied a shared prefix
+    have every round's attention read it from the prefix's own cache, and decode exactly
+    the tokens they decode reading their own copies."""
+    target = tiny_target(hidden=256, dtype=torch.bfloat16)
+    engine = Engine(target, None)
+    prefix = prompts(96, (40,), seed=3)[0]
+    rows = [prefix + tail for tail in prompts(96, (3, 9, 1, 20, 6), seed=4)]
+    rows.append(prompts(96, (25,), seed=5)[0])  # a prompt of its own
+    config = DecodeConfig(mode="vanilla", max_new_tokens=16)
+    reads = []
+    original = RaggedKV.prefix_reads
+
+    def recorded(kv):
+        shared = original(kv)
+        reads.append(None if shared is None else shared.lens.tolist())
+        return shared
+
+    def decode() -> dict:
+        decoder = BatchDecoder(engine, batch_size=8)
+        for k, prompt in enumerate(rows):
+            decoder.add(k, prompt, config)
+        out = {}
+        while not decoder.idle:
+            out.update(decoder.step())
+        return {k: g.token_ids for k, g in out.items()}
+
+    monkeypatch.setattr(RaggedKV, "prefix_reads", recorded)
+    shared = decode()
+    assert reads and all(sorted(lens) == [0] + [len(prefix)] * (len(lens) - 1) for lens in reads)
+    monkeypatch.setattr(RaggedKV, "prefix_reads", lambda kv: None)
+    assert decode() == shared

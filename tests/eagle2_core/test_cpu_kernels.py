@@ -129,6 +129,45 @@ def test_the_fused_block_equals_rope_then_the_cache_write_then_the_kernel(dim, d
     assert same(got, want) and same(keys, want_keys) and torch.equal(values, want_values)
 
 
+def _wide(dtype: torch.dtype) -> bool:
+    """Whether the AVX-512 attention kernel (the one that reads a shared prefix) runs
+    `dtype` here: fp32 needs AVX-512, bf16 AVX512-BF16 too."""
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return "avx512f" in flags and (dtype == torch.float32 or "avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("length", [30, 16, 5])
+def test_a_shared_prefix_is_read_there_and_gives_the_same_bits(length, tokens, dtype):
+    """Rows whose first slots hold a shared prefix (all of it, part of it, or none) give
+    the same bits reading it from the prefix as from their own copies; the AVX-512 kernel
+    does read it there (poisoned copies change nothing). A row said to hold more of it
+    than it has is refused."""
+    torch.manual_seed(1)
+    b, kv_heads, capacity = 5, 3, 80
+    keys, values = torch.randn(2, b, kv_heads, capacity, 64).to(dtype)
+    prefix_keys, prefix_values = torch.randn(2, kv_heads, 40, 64).to(dtype)[:, :, :length]
+    holds = [length, 0, length, length // 2, length]
+    for row, n in enumerate(holds):
+        keys[row, :, :n], values[row, :, :n] = prefix_keys[:, :n], prefix_values[:, :n]
+    q = torch.randn(b, tokens, 9, 64).to(dtype)
+    lens = torch.tensor([70, 45, length + tokens, 50, 66])[:, None, None]
+    mask = torch.arange(capacity)[None, None] < lens - tokens + 1 + torch.arange(tokens)[:, None]
+    mask = mask[:, None]
+    prefix = (prefix_keys, prefix_values, torch.tensor(holds))
+    own = cpu_kernels.decode_attention(q, keys, values, mask)
+    assert torch.equal(cpu_kernels.decode_attention(q, keys, values, mask, prefix), own)
+    if _wide(dtype):
+        for row, n in enumerate(holds):
+            keys[row, :, :n], values[row, :, :n] = 1e4, -1e4
+        assert torch.equal(cpu_kernels.decode_attention(q, keys, values, mask, prefix), own)
+    with pytest.raises(RuntimeError, match="row 1 holds 41 slots of a prefix of"):
+        cpu_kernels.decode_attention(
+            q, keys, values, mask, (prefix_keys, prefix_values, torch.tensor([0, 41, 0, 0, 0]))
+        )
+
+
 @pytest.mark.parametrize("with_delta", [True, False])
 def test_the_fused_bf16_norm_is_the_sum_and_torchs_rms_norm(with_delta):
     """The residual sum bit for bit as torch adds in bf16; the norm within one bf16 step

@@ -168,6 +168,33 @@ def test_ragged_storage_grows_and_removed_rows_are_filled_from_the_end():
     assert kv.keys.shape[3] >= 112 and kv.keys.shape[3] % 64 == 0
 
 
+def test_rows_that_hold_the_shared_prefix_are_tracked_as_rows_move():
+    """prefix_reads names, row by row, the slots each row holds of the prefix (a copy of a
+    row copies that too) as rows are removed and reordered; a new prefix leaves the rows
+    of the old one to their own copies."""
+    kv = new_ragged()
+    prefix = torch.arange(6.0).view(2, 1, 1, 3, 1)  # [layers, 1, kv_heads, P, D]
+    assert kv.prefix_reads() is None
+    for label in range(3):
+        add_ragged(kv, [label] * 5)
+    kv.hold_prefix(range(1, 3), prefix, -prefix)
+    add_ragged(kv, [7.0] * 4)  # a row of its own prompt
+    kv.add_row(5)
+    kv.copy_prefix(1, 4, 5)  # the same prompt as row 1
+    reads = kv.prefix_reads()
+    assert reads.lens.tolist() == [0, 3, 3, 0, 3]
+    assert torch.equal(reads.keys, prefix[:, 0]) and torch.equal(reads.values, -prefix[:, 0])
+    assert kv.remove_rows([1]) == [0, 4, 2, 3]
+    assert kv.prefix_lens == [0, 3, 3, 0]
+    kv.reorder([2, 3, 0, 1])
+    assert kv.prefix_lens == [3, 0, 0, 3]
+    other = prefix + 10
+    kv.hold_prefix(range(1, 2), other, -other)
+    assert kv.prefix_lens == [0, 3, 0, 0]
+    kv.remove_rows([1])
+    assert kv.prefix_reads() is None
+
+
 def test_large_caches_are_mapped_zero_pages_and_grow_as_any(monkeypatch):
     """Past LAZY_ZEROS_BYTES a cache is an anonymous mapping: zeros where nothing was
     written (masked slots that torch's attention reads must be finite), the same contents
