@@ -357,8 +357,9 @@ class RaggedKV:
             self.prefix_lens[row] = keys.shape[3]
 
     def prefix_reads(self) -> PrefixReads | None:
-        """Where attention may read the rows' shared prefix (None where no row holds one)."""
-        if self.prefix is None or not any(self.prefix_lens):
+        """Where attention may read the rows' shared prefix (None where no row holds one,
+        and off a CPU: only the CPU kernel reads it there)."""
+        if self.prefix is None or not any(self.prefix_lens) or self.device.type != "cpu":
             return None
         keys, values = self.prefix
         lens = torch.tensor(self.prefix_lens, dtype=torch.long)
