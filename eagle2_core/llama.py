@@ -67,22 +67,38 @@ class LeanLlama:
         return cls.from_state(model.state_dict(), model.config)
 
     @classmethod
-    def from_state(cls, state: dict[str, torch.Tensor], config) -> LeanLlama:
+    def from_state(
+        cls,
+        state: dict[str, torch.Tensor],
+        config,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> LeanLlama:
         """From a checkpoint's tensors, named as transformers' Llama names them
-        (model.layers.N.self_attn.q_proj.weight, ...), and the model's config."""
+        (model.layers.N.self_attn.q_proj.weight, ...), and the model's config; each cast
+        to `dtype` and moved to `device` as it is prepared (None: as they are)."""
         check_supported(config)
 
-        def weight(name: str) -> torch.Tensor:
+        def raw(name: str) -> torch.Tensor:
             return state[f"model.{name}.weight"].detach()
+
+        def weight(name: str) -> torch.Tensor:
+            return raw(name).to(device=device, dtype=dtype)
+
+        def bias(name: str) -> torch.Tensor | None:
+            value = state.get(f"model.{name}.bias")
+            return value.to(device=device, dtype=dtype) if value is not None else None
 
         def stacked(prefix: str, names: tuple[str, ...]) -> Linear:
             return Linear.stack(
-                [weight(f"{prefix}.{n}") for n in names],
-                [state.get(f"model.{prefix}.{n}.bias") for n in names],
+                [raw(f"{prefix}.{n}") for n in names],
+                [bias(f"{prefix}.{n}") for n in names],
+                dtype,
+                device,
             )
 
         def linear(name: str) -> Linear:
-            return Linear(weight(name), state.get(f"model.{name}.bias"))
+            return Linear(weight(name), bias(name))
 
         layers = [
             Layer(

@@ -161,7 +161,10 @@ def load_target(
     except OSError as exc:
         hint = "" if allow_download else " (downloads are off: pass --allow-download to fetch it)"
         raise ModelLoadError(f"cannot load model {name!r}: {exc}{hint}") from exc
-    state = _tied({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, config)
+    # each weight cast and moved as it is prepared (the stacked ones while they are stacked)
+    state = _tied(state, config)
+    lean = LeanLlama.from_state(state, config, dtype, device)
+    tied = state[LM_HEAD] is state[EMBED]
     _compile_kernels(device)
     generation = source / "generation_config.json"
     eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
@@ -171,8 +174,8 @@ def load_target(
         tokenizer=tokenizer,
         name=name,
         config=config,
-        lean=LeanLlama.from_state(state, config),
-        lm_weight=state[LM_HEAD],
+        lean=lean,
+        lm_weight=lean.embed if tied else state[LM_HEAD].to(device=device, dtype=dtype),
         stop_ids=stop_token_ids(eos, tokenizer),
         max_context=config.max_position_embeddings,
         source=source,

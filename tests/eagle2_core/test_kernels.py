@@ -29,6 +29,20 @@ def test_stacked_projections_are_the_concatenated_outputs():
     torch.testing.assert_close(out[:, 8:], x @ k.T + k_bias, rtol=1e-5, atol=1e-5)
 
 
+def test_projections_stacked_into_bf16_are_the_parts_cast_then_stacked():
+    """Stacking casts each part as it copies it (one pass): the same bf16 weight as casting
+    the parts first, and the same outputs; parts that require grad are stacked too."""
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(64, 32, generator=g).requires_grad_(), torch.randn(32, 32, generator=g)
+    bias = torch.randn(32, generator=g)
+    x = torch.randn(5, 32, generator=g).bfloat16()
+    cast = Linear.stack([q.detach().bfloat16(), k.bfloat16()], [None, bias.bfloat16()])
+    stacked = Linear.stack([q, k], [None, bias], torch.bfloat16)
+    assert stacked.bias.dtype == torch.bfloat16
+    assert torch.equal(stacked.bias, cast.bias)
+    assert torch.equal(stacked(x), cast(x))
+
+
 def test_cpu_fp32_weights_are_prepacked_once():
     layer = Linear(torch.randn(4, 4))
     assert layer.onednn == torch.backends.mkldnn.is_available()

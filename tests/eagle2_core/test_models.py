@@ -44,11 +44,19 @@ def test_loaded_from_files_computes_what_the_model_does(
         assert torch.equal(loaded.model(ids).logits, expected)
 
 
-def test_bf16_load_converts_every_weight(tmp_path: Path) -> None:
-    directory = save_target(tiny_target(seed=4), tmp_path / "model")
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_load_converts_every_weight(tmp_path: Path, tied: bool) -> None:
+    """Each weight is cast as it is prepared (the stacked ones while stacking): the same
+    numbers as a model cast to bf16 whole, and a tied table is still one table."""
+    directory = save_target(tiny_target(seed=4, tied=tied), tmp_path / "model")
     loaded = load_target(str(directory), dtype=torch.bfloat16)
     assert loaded.dtype == torch.bfloat16
-    assert loaded.lean.embed.dtype == loaded.lean.norm.dtype == torch.bfloat16
+    assert loaded.lean.embed.dtype == loaded.lean.norm.dtype == loaded.lm_weight.dtype
+    assert loaded.lean.embed.dtype == torch.bfloat16
+    assert (loaded.lm_weight is loaded.lean.embed) == tied
+    ids = torch.tensor([[5, 17, 3, 40, 41, 2, 9]])
+    cast = tiny_target(seed=4, tied=tied, dtype=torch.bfloat16)
+    assert torch.equal(logits(loaded, ids), logits(cast, ids))
     assert loaded.model.dtype == torch.bfloat16
 
 
