@@ -179,6 +179,11 @@ def add_rms_norm(
     return total, normed
 
 
+# keys, values [kv_heads, P, D] and lens [B]: a shared prefix as one layer's attention reads it
+Prefix = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_NO_PREFIX = (None, None, None)
+
+
 def rope_attend(
     mixed: torch.Tensor,
     angles: tuple[torch.Tensor, torch.Tensor],
@@ -248,8 +253,3 @@ def decode_attention(
     return kernel().decode_attention(
         q, keys, values, mask[:, 0].contiguous(), q.shape[-1] ** -0.5, *(prefix or _NO_PREFIX)
     )
-
-
-# keys, values [kv_heads, P, D] and lens [B]: a shared prefix as one layer's attention reads it
-Prefix = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-_NO_PREFIX = (None, None, None)
