@@ -24,7 +24,8 @@ struct Item {
   T* out[16];                // each query row's D outputs
   const T* keys;
   const T* values;
-  const T* next_keys;  // the next item's keys (same strides), or nullptr
+  const Item* next = nullptr;  // the item this thread attends next, or nullptr
+  bool fetched = false;        // whether the item before fetched this one's own slots
   int64_t R, S, D, ks, vs;
   float scale;
   // The row's first P slots as a shared prefix holds them (the same bits as the row's own
@@ -317,11 +318,30 @@ static inline void dots16(const uint16_t* q, const uint16_t* k0, int64_t ks, int
 }
 #endif
 
+// An item's own keys or values (its slots past the shared prefix) fetched into L2 a few
+// slots at a time while the item before computes: `per` slots a call, so that `calls`
+// calls fetch them all.
+template <typename T>
+struct Ahead {
+  const T* base = nullptr;
+  int64_t step = 0, slot = 0, end = 0, per = 0, D = 0;
+  Ahead() = default;
+  Ahead(const T* base_, int64_t step_, const Item<T>& it, int64_t calls)
+      : base(base_), step(step_), slot(std::min(it.P, it.S)), end(it.S), D(it.D) {
+    per = (end - slot + calls - 1) / std::max<int64_t>(1, calls);
+  }
+  void fetch() {
+    for (int64_t n = 0; n < per && slot < end; ++n, ++slot)
+      for (int64_t d = 0; d < D; d += 64 / static_cast<int64_t>(sizeof(T)))
+        _mm_prefetch(reinterpret_cast<const char*>(base + slot * step + d), _MM_HINT_T1);
+  }
+};
+
 // The weighted sum of the values for query rows r0.. (ROWS of them) and outputs c0..c0+64,
 // sums in fp32 registers.
 template <int ROWS, typename T>
 static inline void weigh_wide(const Item<T>& it, const float* scores, int64_t stride,
-                              const float* norm, int64_t r0, int64_t c0) {
+                              const float* norm, int64_t r0, int64_t c0, Ahead<T>* ahead) {
   __m512 sums[ROWS][4];
 #pragma GCC unroll 4
   for (int r = 0; r < ROWS; ++r)
@@ -331,6 +351,7 @@ static inline void weigh_wide(const Item<T>& it, const float* scores, int64_t st
   // the shared prefix's slots, then the row's own: one order of additions either way
   const auto span = [&](const T* base, int64_t step, int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
+      if (ahead != nullptr) ahead->fetch();
       const T* vr = base + s * step + c0;
       __m512 v[4];
 #pragma GCC unroll 4
@@ -364,6 +385,12 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
   float norm[16];
   __m512 peaks[16];
   for (int64_t r = 0; r < it.R; ++r) peaks[r] = neg;
+  // the next item's keys over this one's blocks, its values over this one's weighted sum
+  Ahead<T> keys_ahead, values_ahead;
+  if (it.next != nullptr) {
+    keys_ahead = Ahead<T>(it.next->keys, it.next->ks, *it.next, (S + 15) / 16);
+    values_ahead = Ahead<T>(it.next->values, it.next->vs, *it.next, S);
+  }
   // Block by block, every query row (as attend_fp32: a block's keys stay in L1). Blocks
   // end where the shared prefix does: a block's keys lie in one place.
   for (int64_t s0 = 0, n; s0 < S; s0 += n) {
@@ -371,19 +398,22 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
     n = std::min<int64_t>(16, shared - s0);
     const T* k0 = it.key(s0);
     const int64_t kstep = s0 < it.P ? it.pks : it.ks;
-    // Ahead of their use: the keys two blocks on into L1; this block's values into L2 (they
-    // are read after every block's scores, and in L1 they pushed out the keys still to
-    // come); the next item's keys into L2 (its rows lie elsewhere, where the hardware's
-    // prefetch would start cold). An 80-row step's attention: fp32 -20%, bf16 -25%
-    // (BENCHMARKS.md, "Attention's prefetches").
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; d += line) {
-        _mm_prefetch(reinterpret_cast<const char*>(it.key(s0 + 32 + j) + d), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(it.value(s0 + j) + d), _MM_HINT_T1);
-        if (it.next_keys != nullptr)
-          _mm_prefetch(reinterpret_cast<const char*>(it.next_keys + (s0 + j) * it.ks + d),
-                       _MM_HINT_T1);
-      }
+    // Ahead of their use. Each item fetches the next one's keys into L2 over its blocks and
+    // the next one's values over its weighted sum, at a steady rate: fetched in bursts (the
+    // next keys and this item's values during the scores alone, then nothing), the
+    // reads waited on free fill buffers and overlapped little with the arithmetic
+    // (bf16 and fp32 at 80 rows x 165 slots: -13% and -19% against that; BENCHMARKS.md,
+    // "Attention's prefetches, spread"). The first item of a thread, fetched by none,
+    // takes its keys two blocks on into L1 and its values into L2.
+    if (!it.fetched) {
+      for (int64_t j = 0; j < n && s0 + 32 + j < S; ++j)
+        for (int64_t d = 0; d < D; d += line)
+          _mm_prefetch(reinterpret_cast<const char*>(it.key(s0 + 32 + j) + d), _MM_HINT_T0);
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; d += line)
+          _mm_prefetch(reinterpret_cast<const char*>(it.value(s0 + j) + d), _MM_HINT_T1);
+    }
+    keys_ahead.fetch();
     const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t r = 0; r < it.R; ++r) {
       __m512 dots[16];
@@ -417,14 +447,27 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
   for (int64_t r0 = 0; r0 < it.R; r0 += 4) {
     const int64_t rows = std::min<int64_t>(4, it.R - r0);  // 3 for one token of 3 heads
     for (int64_t c0 = 0; c0 < D; c0 += 64) {
-      if (rows == 4) weigh_wide<4>(it, scores, stride, norm, r0, c0);
-      else if (rows == 3) weigh_wide<3>(it, scores, stride, norm, r0, c0);
-      else if (rows == 2) weigh_wide<2>(it, scores, stride, norm, r0, c0);
-      else weigh_wide<1>(it, scores, stride, norm, r0, c0);
+      Ahead<T>* a = r0 == 0 && c0 == 0 && it.next != nullptr ? &values_ahead : nullptr;
+      if (rows == 4) weigh_wide<4>(it, scores, stride, norm, r0, c0, a);
+      else if (rows == 3) weigh_wide<3>(it, scores, stride, norm, r0, c0, a);
+      else if (rows == 2) weigh_wide<2>(it, scores, stride, norm, r0, c0, a);
+      else weigh_wide<1>(it, scores, stride, norm, r0, c0, a);
     }
   }
 }
 #endif
+
+// One past the last true of row[0..n): eight bytes at a time from the end (a short row of
+// a long batch is mostly false after its end).
+static int64_t visible_end(const bool* row, int64_t n) {
+  int64_t s = n;
+  for (uint64_t word; s >= 8; s -= 8) {
+    std::memcpy(&word, row + s - 8, 8);
+    if (word != 0) break;
+  }
+  while (s > 0 && !row[s - 1]) --s;
+  return s;
+}
 
 // q [B, T, H, D] (any strides, D contiguous); keys, values [B, KV, S, D] (D contiguous);
 // all bf16 or all fp32; visible [B, T, S] bool. Query head h reads KV head h / (H / KV),
@@ -467,6 +510,11 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
     pv = reinterpret_cast<const T*>(prefix_values->data_ptr());
     plens = prefix_lens->data_ptr<int64_t>();
   }
+  // each new token's slots up to its last visible one, found once for all its heads
+  std::vector<int64_t> spans(B * T_);
+  at::parallel_for(0, B * T_, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) spans[n] = visible_end(mp + n * Sall, Sall);
+  });
   const int64_t items = B * KV * blocks;
   // first, last, second, second to last...: the decoder sorts rows longest first, and
   // each thread's contiguous share of items should hold long and short rows alike
@@ -477,14 +525,13 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     const int64_t stride = Sall + 16;
     std::vector<float> scores(16 * stride, 0.f);
-    for (int64_t n = begin; n < end; ++n) {
+    const auto make = [&](int64_t n) {
       const int64_t i = order(n);
       const int64_t b = i / (KV * blocks), h = i / blocks % KV, t0 = i % blocks * block;
       const int64_t tokens = std::min(block, T_ - t0);
       Item<T> it;
       it.keys = keys_of(i);
       it.values = vp + b * values.stride(0) + h * values.stride(1);
-      it.next_keys = n + 1 < end ? keys_of(order(n + 1)) : nullptr;
       it.R = G * tokens, it.D = D, it.scale = static_cast<float>(scale);
       it.ks = keys.stride(2), it.vs = values.stride(2);
       if (plens != nullptr && plens[b] > 0) {
@@ -498,9 +545,15 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
         it.q[r] = qp + b * q.stride(0) + t * q.stride(1) + head * q.stride(2);
         it.out[r] = op + (b * T_ + t) * H * D + head * D;
         it.visible[r] = mp + (b * T_ + t) * Sall;
-        for (int64_t s = Sall - 1; s >= it.S; --s)
-          if (it.visible[r][s]) { it.S = s + 1; break; }
+        it.S = std::max(it.S, spans[b * T_ + t]);
       }
+      return it;
+    };
+    Item<T> it = make(begin), next;
+    for (int64_t n = begin; n < end; ++n) {
+      if (n > begin) it = next, it.fetched = wide;
+      if (n + 1 < end) next = make(n + 1);
+      it.next = n + 1 < end ? &next : nullptr;
       if (wide) {
 #if defined(__AVX512BF16__)
         attend_wide(it, scores.data(), stride);
