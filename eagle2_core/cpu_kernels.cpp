@@ -85,6 +85,27 @@ static void attend_plain(const Item<T>& it, float* scores, int64_t stride) {
   }
 }
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+// An item's own keys or values (its slots past the shared prefix) fetched into L2 a few
+// slots at a time while the item before computes: `per` slots a call, so that `calls`
+// calls fetch them all.
+template <typename T>
+struct Ahead {
+  const T* base = nullptr;
+  int64_t step = 0, slot = 0, end = 0, per = 0, D = 0;
+  Ahead() = default;
+  Ahead(const T* base_, int64_t step_, const Item<T>& it, int64_t calls)
+      : base(base_), step(step_), slot(std::min(it.P, it.S)), end(it.S), D(it.D) {
+    per = (end - slot + calls - 1) / std::max<int64_t>(1, calls);
+  }
+  void fetch() {
+    for (int64_t n = 0; n < per && slot < end; ++n, ++slot)
+      for (int64_t d = 0; d < D; d += 64 / static_cast<int64_t>(sizeof(T)))
+        _mm_prefetch(reinterpret_cast<const char*>(base + slot * step + d), _MM_HINT_T1);
+  }
+};
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 // 8 vectors in, one out: lane j is the sum of v[j]'s 8 lanes.
 static inline __m256 sum8(const __m256* v) {
@@ -146,11 +167,12 @@ static inline void dots8(const float* q, const float* k0, int64_t ks, int64_t D,
 // sums kept in registers, only as many rows as there are.
 template <int ROWS>
 static inline void weigh_fp32(const Item<float>& it, const float* scores, int64_t stride,
-                              const float* norm, int64_t r0, int64_t c0) {
+                              const float* norm, int64_t r0, int64_t c0, Ahead<float>* ahead) {
   __m256 sums[ROWS][2];
   for (int r = 0; r < ROWS; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
   const float* p0 = scores + r0 * stride;
   for (int64_t s = 0; s < it.S; ++s) {
+    if (ahead != nullptr) ahead->fetch();
     const float* vr = it.values + s * it.vs + c0;
     const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
 #pragma GCC unroll 4
@@ -177,17 +199,27 @@ static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
   for (int64_t r = 0; r < it.R; ++r) peaks[r] = neg;
   // Block by block, every query row: a block's keys are read from memory once and stay in
   // L1 for the other rows (row by row, a head's keys went through L2 once a row).
+  // the next item's keys over this one's blocks, its values over this one's weighted sum
+  // (attend_wide says why)
+  Ahead<float> keys_ahead, values_ahead;
+  if (it.next != nullptr) {
+    keys_ahead = Ahead<float>(it.next->keys, it.next->ks, *it.next, (S + 7) / 8);
+    values_ahead = Ahead<float>(it.next->values, it.next->vs, *it.next, S);
+  }
   for (int64_t s0 = 0; s0 < S; s0 += 8) {
     const int64_t n = std::min<int64_t>(8, S - s0);
-    // The keys four blocks on and this block's values, ahead of their use: an 80-row
-    // fp32 round went from 188 to 166 ms on the AMX Xeon (2026-12-03).
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; d += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(it.keys + (s0 + 32 + j) * it.ks + d),
-                     _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
-                     _MM_HINT_T0);
-      }
+    // The first item of a thread, fetched by none: the keys four blocks on and this block's
+    // values, ahead of their use: an 80-row fp32 round went from 188 to 166 ms on the AMX
+    // Xeon (2026-12-03).
+    if (!it.fetched)
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; d += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(it.keys + (s0 + 32 + j) * it.ks + d),
+                       _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
+                       _MM_HINT_T0);
+        }
+    keys_ahead.fetch();
     for (int64_t r = 0; r < it.R; ++r) {
       const bool* mr = it.visible[r];
       const float* q = it.q[r];
@@ -230,10 +262,11 @@ static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
   for (int64_t r0 = 0; r0 < it.R; r0 += 4) {
     const int64_t rows = std::min<int64_t>(4, it.R - r0);  // 3 for one token of 3 heads
     for (int64_t c0 = 0; c0 < D; c0 += 16) {
-      if (rows == 4) weigh_fp32<4>(it, scores, stride, norm, r0, c0);
-      else if (rows == 3) weigh_fp32<3>(it, scores, stride, norm, r0, c0);
-      else if (rows == 2) weigh_fp32<2>(it, scores, stride, norm, r0, c0);
-      else weigh_fp32<1>(it, scores, stride, norm, r0, c0);
+      Ahead<float>* a = r0 == 0 && c0 == 0 && it.next != nullptr ? &values_ahead : nullptr;
+      if (rows == 4) weigh_fp32<4>(it, scores, stride, norm, r0, c0, a);
+      else if (rows == 3) weigh_fp32<3>(it, scores, stride, norm, r0, c0, a);
+      else if (rows == 2) weigh_fp32<2>(it, scores, stride, norm, r0, c0, a);
+      else weigh_fp32<1>(it, scores, stride, norm, r0, c0, a);
     }
   }
 }
@@ -317,25 +350,6 @@ static inline void dots16(const uint16_t* q, const uint16_t* k0, int64_t ks, int
   }
 }
 #endif
-
-// An item's own keys or values (its slots past the shared prefix) fetched into L2 a few
-// slots at a time while the item before computes: `per` slots a call, so that `calls`
-// calls fetch them all.
-template <typename T>
-struct Ahead {
-  const T* base = nullptr;
-  int64_t step = 0, slot = 0, end = 0, per = 0, D = 0;
-  Ahead() = default;
-  Ahead(const T* base_, int64_t step_, const Item<T>& it, int64_t calls)
-      : base(base_), step(step_), slot(std::min(it.P, it.S)), end(it.S), D(it.D) {
-    per = (end - slot + calls - 1) / std::max<int64_t>(1, calls);
-  }
-  void fetch() {
-    for (int64_t n = 0; n < per && slot < end; ++n, ++slot)
-      for (int64_t d = 0; d < D; d += 64 / static_cast<int64_t>(sizeof(T)))
-        _mm_prefetch(reinterpret_cast<const char*>(base + slot * step + d), _MM_HINT_T1);
-  }
-};
 
 // The weighted sum of the values for query rows r0.. (ROWS of them) and outputs c0..c0+64,
 // sums in fp32 registers.
@@ -551,7 +565,7 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
     };
     Item<T> it = make(begin), next;
     for (int64_t n = begin; n < end; ++n) {
-      if (n > begin) it = next, it.fetched = wide;
+      if (n > begin) it = next, it.fetched = wide || vector;
       if (n + 1 < end) next = make(n + 1);
       it.next = n + 1 < end ? &next : nullptr;
       if (wide) {
