@@ -41,7 +41,7 @@ def main(dataset: Path, batch_size: int, dtype: str, blocks: int, rounds: int) -
         messages = [{"role": "user", "content": text}]
         decoder.add(i, encode_chat(engine.target.tokenizer, messages), config)
     kernels = {"norms": cpu_kernels.norms, "attends": cpu_kernels.attends}
-    torch_ops = {"norms": lambda x: False, "attends": lambda x, tokens: False}
+    torch_ops = {"norms": lambda x: False, "attends": lambda x, tokens, head_dim: False}
     for _ in range(4):
         decoder.step()
     times: dict[str, list[float]] = {"torch": [], "kernels": []}
