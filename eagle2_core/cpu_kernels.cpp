@@ -88,20 +88,28 @@ static void attend_plain(const Item<T>& it, float* scores, int64_t stride) {
 #if defined(__AVX2__) || defined(__AVX512F__)
 // An item's own keys or values (its slots past the shared prefix) fetched into L2 a few
 // slots at a time while the item before computes: `per` slots a call, so that `calls`
-// calls fetch them all.
+// calls fetch them all. Of no item (nullptr, a thread's last): fetches nothing.
 template <typename T>
 struct Ahead {
   const T* base = nullptr;
   int64_t step = 0, slot = 0, end = 0, per = 0, D = 0;
-  Ahead() = default;
-  Ahead(const T* base_, int64_t step_, const Item<T>& it, int64_t calls)
-      : base(base_), step(step_), slot(std::min(it.P, it.S)), end(it.S), D(it.D) {
-    per = (end - slot + calls - 1) / std::max<int64_t>(1, calls);
+  static Ahead keys(const Item<T>* it, int64_t calls) {
+    return it == nullptr ? Ahead() : Ahead(it->keys, it->ks, *it, calls);
+  }
+  static Ahead values(const Item<T>* it, int64_t calls) {
+    return it == nullptr ? Ahead() : Ahead(it->values, it->vs, *it, calls);
   }
   void fetch() {
     for (int64_t n = 0; n < per && slot < end; ++n, ++slot)
       for (int64_t d = 0; d < D; d += 64 / static_cast<int64_t>(sizeof(T)))
         _mm_prefetch(reinterpret_cast<const char*>(base + slot * step + d), _MM_HINT_T1);
+  }
+
+ private:
+  Ahead() = default;
+  Ahead(const T* base_, int64_t step_, const Item<T>& it, int64_t calls)
+      : base(base_), step(step_), slot(std::min(it.P, it.S)), end(it.S), D(it.D) {
+    per = (end - slot + calls - 1) / std::max<int64_t>(1, calls);
   }
 };
 #endif
@@ -201,11 +209,8 @@ static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
   // L1 for the other rows (row by row, a head's keys went through L2 once a row).
   // the next item's keys over this one's blocks, its values over this one's weighted sum
   // (attend_wide says why)
-  Ahead<float> keys_ahead, values_ahead;
-  if (it.next != nullptr) {
-    keys_ahead = Ahead<float>(it.next->keys, it.next->ks, *it.next, (S + 7) / 8);
-    values_ahead = Ahead<float>(it.next->values, it.next->vs, *it.next, S);
-  }
+  auto keys_ahead = Ahead<float>::keys(it.next, (S + 7) / 8);
+  auto values_ahead = Ahead<float>::values(it.next, S);
   for (int64_t s0 = 0; s0 < S; s0 += 8) {
     const int64_t n = std::min<int64_t>(8, S - s0);
     // The first item of a thread, fetched by none: the keys four blocks on and this block's
@@ -262,7 +267,7 @@ static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
   for (int64_t r0 = 0; r0 < it.R; r0 += 4) {
     const int64_t rows = std::min<int64_t>(4, it.R - r0);  // 3 for one token of 3 heads
     for (int64_t c0 = 0; c0 < D; c0 += 16) {
-      Ahead<float>* a = r0 == 0 && c0 == 0 && it.next != nullptr ? &values_ahead : nullptr;
+      Ahead<float>* a = r0 == 0 && c0 == 0 ? &values_ahead : nullptr;
       if (rows == 4) weigh_fp32<4>(it, scores, stride, norm, r0, c0, a);
       else if (rows == 3) weigh_fp32<3>(it, scores, stride, norm, r0, c0, a);
       else if (rows == 2) weigh_fp32<2>(it, scores, stride, norm, r0, c0, a);
@@ -400,11 +405,8 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
   __m512 peaks[16];
   for (int64_t r = 0; r < it.R; ++r) peaks[r] = neg;
   // the next item's keys over this one's blocks, its values over this one's weighted sum
-  Ahead<T> keys_ahead, values_ahead;
-  if (it.next != nullptr) {
-    keys_ahead = Ahead<T>(it.next->keys, it.next->ks, *it.next, (S + 15) / 16);
-    values_ahead = Ahead<T>(it.next->values, it.next->vs, *it.next, S);
-  }
+  auto keys_ahead = Ahead<T>::keys(it.next, (S + 15) / 16);
+  auto values_ahead = Ahead<T>::values(it.next, S);
   // Block by block, every query row (as attend_fp32: a block's keys stay in L1). Blocks
   // end where the shared prefix does: a block's keys lie in one place.
   for (int64_t s0 = 0, n; s0 < S; s0 += n) {
@@ -461,7 +463,7 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
   for (int64_t r0 = 0; r0 < it.R; r0 += 4) {
     const int64_t rows = std::min<int64_t>(4, it.R - r0);  // 3 for one token of 3 heads
     for (int64_t c0 = 0; c0 < D; c0 += 64) {
-      Ahead<T>* a = r0 == 0 && c0 == 0 && it.next != nullptr ? &values_ahead : nullptr;
+      Ahead<T>* a = r0 == 0 && c0 == 0 ? &values_ahead : nullptr;
       if (rows == 4) weigh_wide<4>(it, scores, stride, norm, r0, c0, a);
       else if (rows == 3) weigh_wide<3>(it, scores, stride, norm, r0, c0, a);
       else if (rows == 2) weigh_wide<2>(it, scores, stride, norm, r0, c0, a);
