@@ -3,10 +3,10 @@
 Decodes B prompts at once (the first turns of a benchmark set, repeated to fill the
 batch) for a fixed number of rounds after a warm-up, under torch.profiler, and splits
 the rounds' wall time into the matrix products (oneDNN / MKL linears, the lm_head),
-attention (scaled_dot_product_attention) and the rest: the share that is neither is
-what batching overhead costs (per-sequence Python work, cache copies, masks, stop
-checks). Also prints the step's floor on this machine: FLOPs / the measured fp32 GEMM
-rate.
+attention (SDPA, or on a CPU the kernels' rope_attend) and the rest: the share that is
+neither is what batching overhead costs (per-sequence Python work, cache copies, masks,
+stop checks). Also prints the step's GFLOP (`gflop`): divided by what the products reach on
+this machine, the step's floor.
 
 On a GPU (`--device cuda`) the split by host time says little: it adds what the GPU did
 (the kernels' summed device time a round, and how many kernels), so a round's wall time
