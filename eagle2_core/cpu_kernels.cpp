@@ -171,34 +171,44 @@ static inline void dots8(const float* q, const float* k0, int64_t ks, int64_t D,
   }
 }
 
-// The weighted sum of the values for query rows r0.. (ROWS of them) and outputs c0..c0+16:
-// sums kept in registers, only as many rows as there are.
-template <int ROWS>
+// The weighted sum of the values for query rows r0.. (ROWS of them) and outputs c0..c0+8 *
+// CHUNKS: sums kept in registers, only as many rows as there are.
+template <int ROWS, int CHUNKS>
 static inline void weigh_fp32(const Item<float>& it, const float* scores, int64_t stride,
                               const float* norm, int64_t r0, int64_t c0, Ahead<float>* ahead) {
-  __m256 sums[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
-  const float* p0 = scores + r0 * stride;
-  for (int64_t s = 0; s < it.S; ++s) {
-    if (ahead != nullptr) ahead->fetch();
-    const float* vr = it.values + s * it.vs + c0;
-    const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+  __m256 sums[ROWS][CHUNKS];
 #pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 p = _mm256_broadcast_ss(p0 + r * stride + s);
-      sums[r][0] = _mm256_fmadd_ps(p, v0, sums[r][0]);
-      sums[r][1] = _mm256_fmadd_ps(p, v1, sums[r][1]);
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CHUNKS; ++c) sums[r][c] = _mm256_setzero_ps();
+  const float* p0 = scores + r0 * stride;
+  // the shared prefix's slots, then the row's own: one order of additions either way
+  const auto span = [&](const float* base, int64_t step, int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      if (ahead != nullptr) ahead->fetch();
+      const float* vr = base + s * step + c0;
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 p = _mm256_broadcast_ss(p0 + r * stride + s);
+#pragma GCC unroll 4
+        for (int c = 0; c < CHUNKS; ++c)
+          sums[r][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), sums[r][c]);
+      }
     }
-  }
+  };
+  const int64_t shared = std::min(it.P, it.S);
+  span(it.pvalues, it.pvs, 0, shared);
+  span(it.values, it.vs, shared, it.S);
   for (int r = 0; r < ROWS; ++r) {
     const __m256 scale = _mm256_set1_ps(norm[r0 + r]);
-    _mm256_storeu_ps(it.out[r0 + r] + c0, _mm256_mul_ps(sums[r][0], scale));
-    _mm256_storeu_ps(it.out[r0 + r] + c0 + 8, _mm256_mul_ps(sums[r][1], scale));
+#pragma GCC unroll 4
+    for (int c = 0; c < CHUNKS; ++c)
+      _mm256_storeu_ps(it.out[r0 + r] + c0 + 8 * c, _mm256_mul_ps(sums[r][c], scale));
   }
 }
 
-// fp32, head size a multiple of 16 (AVX2 and FMA): 8 slots' scores at a time, up to 4
-// query rows x 16 outputs kept in registers for the weighted sum.
+// fp32, head size a multiple of 16 (AVX2 and FMA): 8 slots' scores at a time; for the
+// weighted sum up to 3 query rows x 32 outputs (4 rows x 16) kept in registers.
 static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
   const int64_t S = it.S, D = it.D;
   const __m256 neg = _mm256_set1_ps(-INFINITY);
@@ -211,25 +221,27 @@ static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
   // (attend_wide says why)
   auto keys_ahead = Ahead<float>::keys(it.next, (S + 7) / 8);
   auto values_ahead = Ahead<float>::values(it.next, S);
-  for (int64_t s0 = 0; s0 < S; s0 += 8) {
-    const int64_t n = std::min<int64_t>(8, S - s0);
+  // Blocks end where the shared prefix does: a block's keys lie in one place.
+  for (int64_t s0 = 0, n; s0 < S; s0 += n) {
+    const int64_t shared = s0 < it.P ? std::min(it.P, S) : S;
+    n = std::min<int64_t>(8, shared - s0);
+    const float* k0 = it.key(s0);
+    const int64_t kstep = s0 < it.P ? it.pks : it.ks;
     // The first item of a thread, fetched by none: the keys four blocks on and this block's
     // values, ahead of their use: an 80-row fp32 round went from 188 to 166 ms on the AMX
     // Xeon (2026-12-03).
     if (!it.fetched)
       for (int64_t j = 0; j < n; ++j)
         for (int64_t d = 0; d < D; d += 16) {
-          _mm_prefetch(reinterpret_cast<const char*>(it.keys + (s0 + 32 + j) * it.ks + d),
-                       _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(it.values + (s0 + j) * it.vs + d),
-                       _MM_HINT_T0);
+          if (s0 + 32 + j < S)
+            _mm_prefetch(reinterpret_cast<const char*>(it.key(s0 + 32 + j) + d), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(it.value(s0 + j) + d), _MM_HINT_T0);
         }
     keys_ahead.fetch();
     for (int64_t r = 0; r < it.R; ++r) {
       const bool* mr = it.visible[r];
-      const float* q = it.q[r];
       __m256 dots[8];
-      dots8(q, it.keys + s0 * it.ks, it.ks, D, n, dots);
+      dots8(it.q[r], k0, kstep, D, n, dots);
       __m256 xv = _mm256_mul_ps(sum8(dots), _mm256_set1_ps(it.scale));
       if (n == 8) {  // the block's 8 visibility bytes as a lane mask, no scalar round trip
         const __m256i seen = _mm256_cvtepu8_epi32(
@@ -248,6 +260,9 @@ static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
   }
   for (int64_t r = 0; r < it.R; ++r) {
     float* sr = scores + r * stride;
+    // past S to the next multiple of 8: nothing (after a short block at the prefix's end,
+    // the last block need not end on one)
+    _mm256_storeu_ps(sr + S, neg);
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, peaks[r]);
     const __m256 top = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
@@ -266,12 +281,16 @@ static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
   }
   for (int64_t r0 = 0; r0 < it.R; r0 += 4) {
     const int64_t rows = std::min<int64_t>(4, it.R - r0);  // 3 for one token of 3 heads
-    for (int64_t c0 = 0; c0 < D; c0 += 16) {
+    const int64_t width = rows < 4 && D % 32 == 0 ? 32 : 16;
+    for (int64_t c0 = 0; c0 < D; c0 += width) {
       Ahead<float>* a = r0 == 0 && c0 == 0 ? &values_ahead : nullptr;
-      if (rows == 4) weigh_fp32<4>(it, scores, stride, norm, r0, c0, a);
-      else if (rows == 3) weigh_fp32<3>(it, scores, stride, norm, r0, c0, a);
-      else if (rows == 2) weigh_fp32<2>(it, scores, stride, norm, r0, c0, a);
-      else weigh_fp32<1>(it, scores, stride, norm, r0, c0, a);
+      if (rows == 4) weigh_fp32<4, 2>(it, scores, stride, norm, r0, c0, a);
+      else if (rows == 3 && width == 32) weigh_fp32<3, 4>(it, scores, stride, norm, r0, c0, a);
+      else if (rows == 3) weigh_fp32<3, 2>(it, scores, stride, norm, r0, c0, a);
+      else if (rows == 2 && width == 32) weigh_fp32<2, 4>(it, scores, stride, norm, r0, c0, a);
+      else if (rows == 2) weigh_fp32<2, 2>(it, scores, stride, norm, r0, c0, a);
+      else if (width == 32) weigh_fp32<1, 4>(it, scores, stride, norm, r0, c0, a);
+      else weigh_fp32<1, 2>(it, scores, stride, norm, r0, c0, a);
     }
   }
 }
@@ -516,12 +535,12 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
 #if defined(__AVX2__) && defined(__FMA__)
   vector = std::is_same<T, float>::value && D % 16 == 0;
 #endif
-  // A shared prefix [KV, P, D] and each row's slots that hold it, read there by the wide
-  // kernel (the others read the row's own copy: the same bits).
+  // A shared prefix [KV, P, D] and each row's slots that hold it, read there by the vector
+  // kernels (attend_plain reads the row's own copy: the same bits).
   const T* pk = nullptr;
   const T* pv = nullptr;
   const int64_t* plens = nullptr;
-  if (wide && prefix_keys.has_value()) {
+  if ((wide || vector) && prefix_keys.has_value()) {
     pk = reinterpret_cast<const T*>(prefix_keys->data_ptr());
     pv = reinterpret_cast<const T*>(prefix_values->data_ptr());
     plens = prefix_lens->data_ptr<int64_t>();
