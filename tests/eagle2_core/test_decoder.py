@@ -262,12 +262,23 @@ def test_only_rounds_of_plain_greedy_rows_skip_the_logits(monkeypatch):
     target = tiny_target(eos=None)
     engine = Engine(target)
     first, second = prompts(96, lengths=(7, 9))
-    logits, tokens = [], []
+    logits, tokens, inside = [], [], []
     real_head, real_tokens = type(target).lm_head, type(target).greedy_tokens
-    monkeypatch.setattr(type(target), "lm_head", lambda t, h: logits.append(1) or real_head(t, h))
-    monkeypatch.setattr(
-        type(target), "greedy_tokens", lambda t, h: tokens.append(1) or real_tokens(t, h)
-    )
+
+    def counted_head(t, h):  # the decoder's own calls, not greedy_tokens' (which takes
+        if not inside:  # every logit where the CPU has no bf16 to screen them with)
+            logits.append(1)
+        return real_head(t, h)
+
+    def counted_tokens(t, h):
+        tokens.append(1), inside.append(1)
+        try:
+            return real_tokens(t, h)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(type(target), "lm_head", counted_head)
+    monkeypatch.setattr(type(target), "greedy_tokens", counted_tokens)
     for wants_logprobs in (False, True):
         logits.clear(), tokens.clear()
         items = [
