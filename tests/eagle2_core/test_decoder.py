@@ -46,8 +46,9 @@ def test_drafting_pauses_where_it_cannot_pay_and_outputs_stay_exact(monkeypatch)
     got = engine.generate(prompt, DecodeConfig(max_new_tokens=60))
     assert got.token_ids == hf_greedy(target, prompt, 60)
     assert got.stats.mean_tree_size < 1.2  # the root alone, bar a lucky draft or two
-    rounds = got.stats.n_cycles
-    assert rounds == 59 and len(calls) <= 1 + rounds // MAX_REST + 5  # 1 + 1 + 2 + 4 + 8 + 16..
+    rounds = got.stats.n_cycles  # 59 for 60 tokens; each lucky draft accepted saves one
+    # (the planner calibrates on measured round times, so which rounds probe moves with load)
+    assert 57 <= rounds <= 59 and len(calls) <= 1 + rounds // MAX_REST + 5  # 1 + 1 + 2 + 4 + 8..
 
 
 def dear_nodes(monkeypatch, verify_per_node_ms: float = 5.0):
