@@ -16,13 +16,13 @@ to 37 ms on the AVX512-BF16 EPYC, where its keys and values take ~22 ms to read;
 loops' weighted sum, 3 query rows x 32 outputs in registers where it took 16 in four
 passes over the values, from 64 to 51 ms on the Zen 3 EPYC). In bf16
 many new tokens (a prefill) go in blocks, so it serves those too (1.4-2.3x torch's bf16
-SDPA, 4 to 400 tokens); in fp32 it does where its AVX-512 loops serve the head size
-(a multiple of 64: the 80 MT-bench prompts' prefill took 3.5 s against SDPA's 4.1-4.3 s
-on the 2-core Zen 5 EPYC), and elsewhere up to FP32_TOKENS per row, past which SDPA's
-matrix products won on the AVX2 EPYC. Around it, in bf16, torch spends a dozen small
-ops a layer on RoPE, the cache write, the residual add and RMSNorm, each a pass over the
-rows: `rope_attend` and `add_rms_norm` do them in one, rounding each step as those ops
-do (BENCHMARKS.md, "bf16 kernels").
+SDPA, 4 to 400 tokens); in fp32 it does where its vector loops serve the head size
+(a multiple of 16: the 80 MT-bench prompts' prefill took 3.5 s against SDPA's 4.1-4.3 s
+on the 2-core Zen 5 EPYC; the AVX2 loops took 0.64-0.86x SDPA's time for prefill groups
+of 1-80 rows on the Zen 3 EPYC), and elsewhere up to FP32_TOKENS per row. Around it, in
+bf16, torch spends a dozen small ops a layer on RoPE, the cache write, the residual add
+and RMSNorm, each a pass over the rows: `rope_attend` and `add_rms_norm` do them in one,
+rounding each step as those ops do (BENCHMARKS.md, "bf16 kernels").
 
 fp32 sums in another order than torch's SDPA, so its last bits differ; greedy output
 stays token-identical to transformers' `generate` as before (the identity tests, and
@@ -137,13 +137,14 @@ def build() -> str | None:
     return _cpu_tag() if kernel() is not None else None
 
 
-FP32_TOKENS = 4  # new tokens per row up to which the AVX2 fp32 attention beats SDPA
+FP32_TOKENS = 4  # new tokens per row up to which fp32 without vector loops takes the kernel
 
 
 @cache
-def _avx512() -> bool:
-    """Whether this CPU runs AVX-512 (the kernels build for it: -march=native)."""
-    return torch.cpu._is_avx512_supported()
+def _avx2() -> bool:
+    """Whether this CPU runs AVX2 (the kernels build for it: -march=native; so does every
+    AVX-512 CPU)."""
+    return torch.cpu._is_avx2_supported()
 
 
 def norms(x: torch.Tensor) -> bool:
@@ -158,17 +159,17 @@ def norms(x: torch.Tensor) -> bool:
 
 def attends(x: torch.Tensor, tokens: int, head_dim: int) -> bool:
     """Whether `rope_attend` takes the attention of x [B, T, ...] with `tokens` new tokens
-    per row of head_dim: bf16 on a CPU always; fp32 with AVX-512 and a head size that is
-    a multiple of 64 always (a prefill too: 3.5 s against SDPA's 4.1-4.3 s for the 80
-    MT-bench prompts on the Zen 5 EPYC); else for up to FP32_TOKENS (a plain decoding
-    step, a small tree), where torch's SDPA, which takes a mask as a dense float bias and
-    loops over every row and head, took twice this kernel's time at 80 rows x 1 token on
-    the AVX2 EPYC (BENCHMARKS.md); for more tokens there, SDPA's matrix products won."""
+    per row of head_dim: bf16 on a CPU always; fp32 with AVX2 (or AVX-512) and a head
+    size that is a multiple of 16 always (a prefill too: 3.5 s against SDPA's 4.1-4.3 s
+    for the 80 MT-bench prompts on the Zen 5 EPYC; 0.64-0.86x SDPA's time for prefill
+    groups on the Zen 3 EPYC, BENCHMARKS.md); else, in the plain loops, for up to
+    FP32_TOKENS (a plain decoding step, a small tree), where torch's SDPA takes a mask as
+    a dense float bias and loops over every row and head."""
     if not norms(x):
         return False
     if x.dtype == torch.bfloat16 or tokens <= FP32_TOKENS:
         return True
-    return head_dim % 64 == 0 and _avx512()
+    return head_dim % 16 == 0 and _avx2()
 
 
 def add_rms_norm(
