@@ -251,7 +251,7 @@ def decode_attention(
     [B, T, heads * D], what the output projection takes. Each row reads its slots up to
     its last visible one, so rows of different lengths need no chunking. `prefix`: keys and
     values [kv_heads, P, D] that row b's first lens[b] slots hold too (int64 [B]), read
-    there by the AVX-512 kernel: one copy for every row, in cache, not one each from
+    there by the vector kernels: one copy for every row, in cache, not one each from
     memory; the result is the same bits."""
     return kernel().decode_attention(
         q, keys, values, mask[:, 0].contiguous(), q.shape[-1] ** -0.5, *(prefix or _NO_PREFIX)
