@@ -119,10 +119,12 @@ def test_ctrl_c_at_any_moment_leaves_the_database_writable(tmp_path: Path) -> No
             yield rng.randrange(1, 1000)  # a (short) decoding step: most time goes to writes
 
     for _ in range(300):
-        signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0005, 0.01))
         previous_alarm = signal.signal(signal.SIGALRM, lambda *_: ctrl_c())
         try:
             with CtrlC() as guard, pytest.raises(KeyboardInterrupt):
+                # armed inside the guard: on a loaded machine an alarm armed before it could
+                # fire before it was entered, a Ctrl-C outside the test's reach
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0005, 0.01))
                 for n in guard.decoding(steps()):
                     with engine.begin() as conn:
                         conn.execute(text("INSERT INTO rows VALUES (:n)"), {"n": n})
