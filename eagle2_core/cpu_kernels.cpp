@@ -35,6 +35,20 @@ struct Item {
   int64_t P = 0, pks = 0, pvs = 0;
   const T* key(int64_t s) const { return s < P ? pkeys + s * pks : keys + s * ks; }
   const T* value(int64_t s) const { return s < P ? pvalues + s * pvs : values + s * vs; }
+  // The block of up to `width` slots from s ends where the shared prefix does, so that its
+  // keys lie in one place: key(s) on, key_step(s) apart.
+  int64_t block(int64_t s, int64_t width) const {
+    return std::min(width, (s < P ? std::min(P, S) : S) - s);
+  }
+  int64_t key_step(int64_t s) const { return s < P ? pks : ks; }
+  // f(base, step, begin, end) over the values' slots: the shared prefix's, then the row's
+  // own (one order of additions either way).
+  template <typename F>
+  void value_spans(F&& f) const {
+    const int64_t shared = std::min(P, S);
+    f(pvalues, pvs, 0, shared);
+    f(values, vs, shared, S);
+  }
 };
 
 static inline float widen1(uint16_t x) {
@@ -182,7 +196,6 @@ static inline void weigh_fp32(const Item<float>& it, const float* scores, int64_
 #pragma GCC unroll 4
     for (int c = 0; c < CHUNKS; ++c) sums[r][c] = _mm256_setzero_ps();
   const float* p0 = scores + r0 * stride;
-  // the shared prefix's slots, then the row's own: one order of additions either way
   const auto span = [&](const float* base, int64_t step, int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       if (ahead != nullptr) ahead->fetch();
@@ -196,9 +209,7 @@ static inline void weigh_fp32(const Item<float>& it, const float* scores, int64_
       }
     }
   };
-  const int64_t shared = std::min(it.P, it.S);
-  span(it.pvalues, it.pvs, 0, shared);
-  span(it.values, it.vs, shared, it.S);
+  it.value_spans(span);
   for (int r = 0; r < ROWS; ++r) {
     const __m256 scale = _mm256_set1_ps(norm[r0 + r]);
 #pragma GCC unroll 4
@@ -221,12 +232,10 @@ static void attend_fp32(const Item<float>& it, float* scores, int64_t stride) {
   // (attend_wide says why)
   auto keys_ahead = Ahead<float>::keys(it.next, (S + 7) / 8);
   auto values_ahead = Ahead<float>::values(it.next, S);
-  // Blocks end where the shared prefix does: a block's keys lie in one place.
   for (int64_t s0 = 0, n; s0 < S; s0 += n) {
-    const int64_t shared = s0 < it.P ? std::min(it.P, S) : S;
-    n = std::min<int64_t>(8, shared - s0);
+    n = it.block(s0, 8);
     const float* k0 = it.key(s0);
-    const int64_t kstep = s0 < it.P ? it.pks : it.ks;
+    const int64_t kstep = it.key_step(s0);
     // The first item of a thread, fetched by none: the keys four blocks on and this block's
     // values, ahead of their use: an 80-row fp32 round went from 188 to 166 ms on the AMX
     // Xeon (2026-12-03).
@@ -386,7 +395,6 @@ static inline void weigh_wide(const Item<T>& it, const float* scores, int64_t st
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) sums[r][c] = _mm512_setzero_ps();
   const float* p0 = scores + r0 * stride;
-  // the shared prefix's slots, then the row's own: one order of additions either way
   const auto span = [&](const T* base, int64_t step, int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       if (ahead != nullptr) ahead->fetch();
@@ -402,9 +410,7 @@ static inline void weigh_wide(const Item<T>& it, const float* scores, int64_t st
       }
     }
   };
-  const int64_t shared = std::min(it.P, it.S);
-  span(it.pvalues, it.pvs, 0, shared);
-  span(it.values, it.vs, shared, it.S);
+  it.value_spans(span);
   for (int r = 0; r < ROWS; ++r) {
     const __m512 scale = _mm512_set1_ps(norm[r0 + r]);
 #pragma GCC unroll 4
@@ -426,13 +432,11 @@ static void attend_wide(const Item<T>& it, float* scores, int64_t stride) {
   // the next item's keys over this one's blocks, its values over this one's weighted sum
   auto keys_ahead = Ahead<T>::keys(it.next, (S + 15) / 16);
   auto values_ahead = Ahead<T>::values(it.next, S);
-  // Block by block, every query row (as attend_fp32: a block's keys stay in L1). Blocks
-  // end where the shared prefix does: a block's keys lie in one place.
+  // Block by block, every query row (as attend_fp32: a block's keys stay in L1).
   for (int64_t s0 = 0, n; s0 < S; s0 += n) {
-    const int64_t shared = s0 < it.P ? std::min(it.P, S) : S;
-    n = std::min<int64_t>(16, shared - s0);
+    n = it.block(s0, 16);
     const T* k0 = it.key(s0);
-    const int64_t kstep = s0 < it.P ? it.pks : it.ks;
+    const int64_t kstep = it.key_step(s0);
     // Ahead of their use. Each item fetches the next one's keys into L2 over its blocks and
     // the next one's values over its weighted sum, at a steady rate: fetched in bursts (the
     // next keys and this item's values during the scores alone, then nothing), the
