@@ -10,6 +10,7 @@ rebuilt from every stored row of the shard, so it is complete whichever run writ
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -41,7 +42,8 @@ RETRYABLE_DB_ERRORS = (OperationalError, InterfaceError, InternalError)
 
 # How long a flush keeps retrying a retryable error in place before the shard gives up
 # (and Celery retries it): decoded rows are kept in memory meanwhile, not decoded again.
-FLUSH_RETRY_S = 60.0
+FLUSH_RETRY_ENV = "EAGLE2_DB_WRITE_RETRY_S"
+DEFAULT_FLUSH_RETRY_S = 60.0
 
 ProgressCallback = Callable[[dict[str, Any], int, int], None]
 
@@ -102,9 +104,23 @@ def _cancelled(engine: Engine, job_id: str) -> bool:
     return load_job(engine, job_id)["state"] == "cancelled"
 
 
-def _retrying(write: Callable[..., Any], *args: Any) -> Any:
-    """Run an idempotent database write, retrying a lost connection for FLUSH_RETRY_S."""
-    deadline, pause = time.monotonic() + FLUSH_RETRY_S, 0.5
+def flush_retry_s() -> float:
+    """`EAGLE2_DB_WRITE_RETRY_S`: seconds a running shard's writes retry a lost database in
+    place (default 60; longer than the database's failover keeps its decoded rows); a
+    non-negative number."""
+    raw = os.environ.get(FLUSH_RETRY_ENV) or str(DEFAULT_FLUSH_RETRY_S)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{FLUSH_RETRY_ENV} must be a number of seconds, 0 or more: {raw!r}")
+    return value
+
+
+def _retrying(retry_s: float, write: Callable[..., Any], *args: Any) -> Any:
+    """Run an idempotent database write, retrying a lost connection for retry_s seconds."""
+    deadline, pause = time.monotonic() + retry_s, 0.5
     while True:
         try:
             return write(*args)
@@ -180,6 +196,7 @@ def process_shard(
     settings = JobSettings.from_params(params)
     origin = RowOrigin(job_id, shard, worker, device)
     try:
+        retry_s = flush_retry_s()
         with Heartbeat(db_engine, job_id, shard, heartbeat_period()):
             tally.skipped = len(db.done_sample_ids(db_engine, job_id, shard))
             pending = db.pending_requests(db_engine, job_id, shard)
@@ -196,14 +213,17 @@ def process_shard(
                 )
                 rows = list(decoder.failed_rows(requests, params, origin, given_up))
                 tally.failed = len(rows)
-                tally.stored = _retrying(db.insert_samples, db_engine, rows)
+                tally.stored = _retrying(retry_s, db.insert_samples, db_engine, rows)
             else:
                 if decoder.head_version is not None:
                     follow_newest(db_engine, decoder, job_id, settings.adapt_draft)
                 samples = decoder.decode_many(requests, params, origin)
                 if decoding is not None:
                     samples = decoding(samples)
-                if not _store(db_engine, job_id, samples, len(pending), tally, on_progress):
+                stored = _store(
+                    db_engine, job_id, samples, len(pending), tally, on_progress, retry_s
+                )
+                if not stored:
                     return cancel()
             metadata = {"model": job["model"], "draft": job["draft"], "mode": job["mode"]}
             path = write_shard_parquet(
@@ -237,6 +257,7 @@ def _store(
     n_pending: int,
     tally: _Tally,
     on_progress: ProgressCallback | None,
+    retry_s: float,
 ) -> bool:
     """Store decoded samples as they come, FLUSH_ROWS at a time (or every FLUSH_S);
     False when the job was cancelled meanwhile (the rest is not decoded)."""
@@ -250,10 +271,10 @@ def _store(
         if on_progress is not None:
             on_progress(sample, tally.decoded, n_pending)
         if len(unflushed) >= FLUSH_ROWS or time.monotonic() - last_flush >= FLUSH_S:
-            tally.stored += _retrying(db.insert_samples, db_engine, unflushed)
+            tally.stored += _retrying(retry_s, db.insert_samples, db_engine, unflushed)
             unflushed.clear()
             last_flush = time.monotonic()
             if tally.decoded < n_pending and _cancelled(db_engine, job_id):
                 return False
-    tally.stored += _retrying(db.insert_samples, db_engine, unflushed)
+    tally.stored += _retrying(retry_s, db.insert_samples, db_engine, unflushed)
     return True

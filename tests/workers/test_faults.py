@@ -920,13 +920,14 @@ def test_a_shard_that_kills_its_workers_is_given_up(make_cluster: Callable[..., 
 
 
 def test_postgres_unreachable_longer_than_the_retries(make_cluster: Callable[..., FaultCluster]):
-    """Postgres cut mid-shard for 90 s: longer than the running shards' writes retry in
-    place (60 s) and than their Celery retries (EAGLE2_DB_RETRIES=0 here, so any outage
-    outlasts them). Those tasks give up and are acknowledged, their shards left running
-    with no heartbeat; the queued shards wait for Postgres at their start instead of spending
-    their retries and being dropped. Once it is back, the workers' watchdog re-enqueues the
-    stalled shards and the job completes, every sample stored once."""
-    env = {**QUICK_HEARTBEAT, "EAGLE2_DB_RETRIES": "0"}
+    """Postgres cut mid-shard for 30 s: longer than the running shards' writes retry in
+    place (EAGLE2_DB_WRITE_RETRY_S=10 here; 60 by default) and than their Celery retries
+    (EAGLE2_DB_RETRIES=0 here, so any outage outlasts them). Those tasks give up and are
+    acknowledged, their shards left running with no heartbeat; the queued shards wait for
+    Postgres at their start instead of spending their retries and being dropped. Once it is
+    back, the workers' watchdog re-enqueues the stalled shards and the job completes, every
+    sample stored once."""
+    env = {**QUICK_HEARTBEAT, "EAGLE2_DB_RETRIES": "0", "EAGLE2_DB_WRITE_RETRY_S": "10"}
     c = make_cluster(visibility_timeout=LONG_VISIBILITY_TIMEOUT, proxy=True, env=env)
     c.launch_all("long-a", "long-b")
     n = 4 * SHARD_SIZE
@@ -935,7 +936,7 @@ def test_postgres_unreachable_longer_than_the_retries(make_cluster: Callable[...
     assert c.proxy is not None
     c.proxy.cut()
     t_fault = time.monotonic()
-    time.sleep(90)
+    time.sleep(30)
     shards = shard_rows(c.engine, job_id)  # the test reaches Postgres directly
     stalled = [s["shard"] for s in shards if s["state"] == "running"]
     queued = [s["shard"] for s in shards if s["state"] == "queued"]
@@ -957,10 +958,10 @@ def test_postgres_unreachable_longer_than_the_retries(make_cluster: Callable[...
     assert all(lost[s] == 1 for s in stalled) and not any(lost[s] for s in queued)
     waited = sum(p.read_text().count("database unreachable, retrying in") for p in c.logs)
     record(
-        "Postgres unreachable 90 s, longer than the retries",
+        "Postgres unreachable 30 s, longer than the retries",
         samples=n,
-        faults=f"all worker connections cut for 90 s ({c.proxy.refused} connection attempts "
-        "refused), EAGLE2_DB_RETRIES=0",
+        faults=f"all worker connections cut for 30 s ({c.proxy.refused} connection attempts "
+        "refused), EAGLE2_DB_WRITE_RETRY_S=10, EAGLE2_DB_RETRIES=0",
         tasks_given_up=gave_up,
         shards_stalled=stalled,
         shards_waiting_queued=queued,

@@ -187,6 +187,38 @@ def test_a_flush_retries_a_lost_connection_in_place(engine, decoder, out, monkey
     assert [r["sample_id"] for r in stored(engine, job_id)] == ["q0", "q1", "q2", "q3"]
 
 
+def test_the_in_place_retries_last_as_long_as_the_setting_says(engine, decoder, out, monkeypatch):
+    """EAGLE2_DB_WRITE_RETRY_S=1: a database away for good is tried again for about a
+    second (0.5 s, then 1 s would pass the deadline), then the error goes to the caller,
+    the shard left running for it to retry."""
+    job_id = make_job(engine)
+    attempts = []
+
+    def lost_insert(*_args):
+        attempts.append(time.monotonic())
+        raise OperationalError("INSERT ...", {}, ConnectionError("server closed"))
+
+    monkeypatch.setattr(db, "insert_samples", lost_insert)
+    monkeypatch.setenv("EAGLE2_DB_WRITE_RETRY_S", "1")
+    with pytest.raises(OperationalError):
+        process_shard(engine, Decoder(decoder), job_id, 0, out, WORKER)
+    assert len(attempts) == 2 and 0.4 < attempts[1] - attempts[0] < 0.9
+    assert shard_row(engine, job_id, 0)["state"] == "running"
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "inf"])
+def test_a_bad_write_retry_setting_fails_the_shard_before_decoding(
+    engine, decoder, out, monkeypatch, value
+):
+    job_id = make_job(engine)
+    monkeypatch.setenv("EAGLE2_DB_WRITE_RETRY_S", value)
+    counting = Decoder(decoder)
+    with pytest.raises(ValueError, match="EAGLE2_DB_WRITE_RETRY_S must be a number of seconds"):
+        process_shard(engine, counting, job_id, 0, out, WORKER)
+    assert counting.decoded == []
+    assert shard_row(engine, job_id, 0)["state"] == "failed"
+
+
 def test_failed_sample_is_stored_and_fails_the_job(engine, decoder, out):
     job_id = make_job(engine, ["t5 t6", " ".join(["t9"] * 600)])  # the second is too long
     result = process_shard(engine, decoder, job_id, 0, out, WORKER)
