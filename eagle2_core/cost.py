@@ -20,6 +20,7 @@ torch version, the CPU kernels' build).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -204,27 +205,43 @@ def load_or_measure(
     on_measure: Callable[[Path], object] | None = None,
 ) -> CostModel:
     """The cached table for this device and model, measured now if missing or stale
-    (on_measure(cache file) is told first: it takes half a minute on a CPU)."""
+    (on_measure(cache file) is told first: it takes half a minute on a CPU).
+
+    One process of a machine measures at a time, under a lock beside the table: two
+    started together (the workers of one host, a test run's processes) would each time
+    its forwards while the other runs its own, and both tables would be too slow; the
+    second waits and reads the first's."""
     key = device_key(target, head)
     path = _cache_path(key)
-    try:
-        model = CostModel(**json.loads(path.read_text()))
-        fresh = time.time() - model.measured_at < STALE_DAYS * 86400
-        if model.key == key and fresh and max(model.batch_grid) >= max_batch:
-            return model
-    except (OSError, ValueError, TypeError):
-        pass
-    log.info("measuring forward costs on this device (once; cached in %s)", path)
+    model = _cached(path, key, max_batch)
+    if model is not None:
+        return model
     if on_measure is not None:
         on_measure(path)
-    started = time.perf_counter()
-    model = measure(target, head, max_batch, key)
-    log.info("forward costs measured in %.1f s", time.perf_counter() - started)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
-    staging.write_text(model.to_json())
-    staging.replace(path)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        model = _cached(path, key, max_batch)  # measured meanwhile by the lock's holder
+        if model is not None:
+            return model
+        log.info("measuring forward costs on this device (once; cached in %s)", path)
+        started = time.perf_counter()
+        model = measure(target, head, max_batch, key)
+        log.info("forward costs measured in %.1f s", time.perf_counter() - started)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(model.to_json())
+        staging.replace(path)
     return model
+
+
+def _cached(path: Path, key: str, max_batch: int) -> CostModel | None:
+    """The table at path where it is this key's, fresh, and covers max_batch rows."""
+    try:
+        model = CostModel(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    fresh = time.time() - model.measured_at < STALE_DAYS * 86400
+    return model if model.key == key and fresh and max(model.batch_grid) >= max_batch else None
 
 
 def _batch_grid(max_batch: int) -> list[int]:

@@ -24,20 +24,31 @@ PG_ADMIN_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 PG_URL_TEMPLATE = "postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def private_cache_dir() -> Iterator[None]:
-    """Cost tables of this test process's own: a table measured on a loaded machine by an
-    earlier run must not steer this one. The cache's other entries (dequantised GGUF
-    weights: slow to make, never changed) are linked in from the usual cache."""
+_CACHE_BEFORE = pytest.StashKey[tuple[str, str | None]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Cost tables of this test run's own: a table measured on a loaded machine by an
+    earlier run must not steer this one. Its xdist workers, started after this with its
+    environment, share the folder: each measuring the SmolLM2 table itself cost each of
+    them 30-90 s. The cache's other entries (dequantised GGUF weights: slow to make, never
+    changed) are linked in from the usual cache."""
+    if hasattr(config, "workerinput"):  # an xdist worker: its controller made the folder
+        return
     path = tempfile.mkdtemp(prefix="eagle2-test-cache-")
-    before = os.environ.get("EAGLE2_CACHE_DIR")
     shared = cache_root()
     if shared.is_dir():
         for entry in shared.iterdir():
             if entry.name != "costs":
                 os.symlink(entry, os.path.join(path, entry.name))
+    config.stash[_CACHE_BEFORE] = (path, os.environ.get("EAGLE2_CACHE_DIR"))
     os.environ["EAGLE2_CACHE_DIR"] = path
-    yield
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _CACHE_BEFORE not in config.stash:
+        return
+    path, before = config.stash[_CACHE_BEFORE]
     if before is None:
         os.environ.pop("EAGLE2_CACHE_DIR", None)
     else:

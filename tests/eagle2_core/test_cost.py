@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -67,7 +69,7 @@ def test_measured_once_then_read_from_the_cache(engine_parts, tmp_path, monkeypa
     assert first.batch_grid == [1, 2, 4]
     assert all(v > 0 for v in first.verify_ms[0])
     assert first.verify(4, 8) >= first.verify(1, 8) > 0 and first.draft(1, 4) > 0
-    (path,) = (tmp_path / "costs").iterdir()
+    (path,) = (tmp_path / "costs").glob("*.json")
     assert json.loads(path.read_text())["key"] == first.key
 
     def refuse(*args, **kwargs):
@@ -91,13 +93,43 @@ def count_measures(monkeypatch) -> list[int]:
     return calls
 
 
+def test_two_processes_at_once_measure_one_table(engine_parts, tmp_path, monkeypatch):
+    """Two callers that find no table at the same moment: one measures, the other waits
+    for its lock and reads that table (two threads: flock holds between two opens of the
+    lock file as between two processes)."""
+    monkeypatch.setenv("EAGLE2_CACHE_DIR", str(tmp_path))
+    target, head = engine_parts
+    calls = count_measures(monkeypatch)
+    counting = cost.measure
+
+    def slow(*args, **kwargs) -> CostModel:
+        time.sleep(0.5)  # both have looked for a table by now
+        return counting(*args, **kwargs)
+
+    monkeypatch.setattr(cost, "measure", slow)
+    start, told = threading.Barrier(2), []
+    tables: list[CostModel] = []
+
+    def load() -> None:
+        start.wait()
+        tables.append(load_or_measure(target, head, max_batch=2, on_measure=told.append))
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [2] and len(tables) == 2 and tables[0] == tables[1]
+    assert len(told) == 2  # each said it waits for a measurement
+
+
 def test_stale_or_too_small_tables_are_measured_again(engine_parts, tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE2_CACHE_DIR", str(tmp_path))
     target, head = engine_parts
     first = load_or_measure(target, head, max_batch=2)
     calls = count_measures(monkeypatch)
     load_or_measure(target, head, max_batch=8)  # a larger batch than measured
-    (path,) = (tmp_path / "costs").iterdir()
+    (path,) = (tmp_path / "costs").glob("*.json")
     stale = json.loads(path.read_text())
     stale["measured_at"] = first.measured_at - (cost.STALE_DAYS + 1) * 86400
     path.write_text(json.dumps(stale))
