@@ -30,9 +30,10 @@ _CACHE_BEFORE = pytest.StashKey[tuple[str, str | None]]()
 def pytest_configure(config: pytest.Config) -> None:
     """Cost tables of this test run's own: a table measured on a loaded machine by an
     earlier run must not steer this one. Its xdist workers, started after this with its
-    environment, share the folder: each measuring the SmolLM2 table itself cost each of
-    them 30-90 s. The cache's other entries (dequantised GGUF weights: slow to make, never
-    changed) are linked in from the usual cache."""
+    environment, share the folder, so a run measures each table once (the second process
+    to need it waits for the first's: cost.load_or_measure). The cache's other entries
+    (dequantised GGUF weights: slow to make, never changed) are linked in from the usual
+    cache."""
     if hasattr(config, "workerinput"):  # an xdist worker: its controller made the folder
         return
     path = tempfile.mkdtemp(prefix="eagle2-test-cache-")
