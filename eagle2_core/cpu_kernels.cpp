@@ -2,9 +2,13 @@
 // add with its RMSNorm, the greedy token of each row of logits (or of an fp32 lm_head
 // screened through a bf16 one), and the MLP's SiLU with its product (bf16). Compiled on
 // first use by cpu_kernels.py (torch's cpp_extension, -march=native); that module's
-// docstring says why each exists.
-#include <torch/extension.h>
+// docstring says why each exists. ATen's tensor headers only (torch/extension.h took a
+// compiler ~8x as long to read): Python's bindings are in cpu_kernels_bindings.cpp.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
 #include <cmath>
 #include <cstring>
 #include <algorithm>
@@ -514,11 +518,11 @@ static int64_t visible_end(const bool* row, int64_t n) {
 // output projection takes. Scores, softmax and the weighted sum are fp32. Many new tokens
 // (a prefill, a large tree) go in blocks of 16 / G, each block up to its last visible slot.
 template <typename T>
-static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                       torch::Tensor visible, double scale, torch::Tensor out,
-                       const c10::optional<torch::Tensor>& prefix_keys,
-                       const c10::optional<torch::Tensor>& prefix_values,
-                       const c10::optional<torch::Tensor>& prefix_lens) {
+static void attend_all(at::Tensor q, at::Tensor keys, at::Tensor values,
+                       at::Tensor visible, double scale, at::Tensor out,
+                       const c10::optional<at::Tensor>& prefix_keys,
+                       const c10::optional<at::Tensor>& prefix_values,
+                       const c10::optional<at::Tensor>& prefix_lens) {
   const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t KV = keys.size(1), Sall = keys.size(2), G = H / KV;
   const int64_t block = 16 / G, blocks = (T_ + block - 1) / block;
@@ -615,11 +619,10 @@ static void attend_all(torch::Tensor q, torch::Tensor keys, torch::Tensor values
 // prefix_keys, prefix_values [KV, P, D] (D contiguous) and prefix_lens [B] int64: row b's
 // first prefix_lens[b] slots hold the prefix's (a shared system prompt copied into every
 // row); all three or none.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                               torch::Tensor visible, double scale,
-                               c10::optional<torch::Tensor> prefix_keys,
-                               c10::optional<torch::Tensor> prefix_values,
-                               c10::optional<torch::Tensor> prefix_lens) {
+at::Tensor decode_attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor visible,
+                            double scale, c10::optional<at::Tensor> prefix_keys,
+                            c10::optional<at::Tensor> prefix_values,
+                            c10::optional<at::Tensor> prefix_lens) {
   const int64_t H = q.size(2), KV = keys.size(1);
   TORCH_CHECK(H / KV <= 16, "at most 16 query heads per KV head, got ", H / KV);
   TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
@@ -636,7 +639,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
                     prefix_values->sizes() == prefix_keys->sizes() &&
                     prefix_values->stride(2) == 1,
                 "the prefix: keys and values [KV, P, D], D contiguous");
-    TORCH_CHECK(prefix_lens->scalar_type() == torch::kLong && prefix_lens->is_contiguous() &&
+    TORCH_CHECK(prefix_lens->scalar_type() == at::kLong && prefix_lens->is_contiguous() &&
                     prefix_lens->numel() == q.size(0),
                 "prefix_lens: [B] int64");
     const int64_t* lens = prefix_lens->data_ptr<int64_t>();
@@ -644,12 +647,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
       TORCH_CHECK(lens[b] >= 0 && lens[b] <= prefix_keys->size(1),
                   "row ", b, " holds ", lens[b], " slots of a prefix of ", prefix_keys->size(1));
   }
-  auto out = torch::empty({q.size(0), q.size(1), H * q.size(3)}, q.options());
-  if (q.scalar_type() == torch::kFloat)
+  auto out = at::empty({q.size(0), q.size(1), H * q.size(3)}, q.options());
+  if (q.scalar_type() == at::kFloat)
     attend_all<float>(q, keys, values, visible, scale, out, prefix_keys, prefix_values,
                       prefix_lens);
   else {
-    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "bf16 or fp32, got ", q.scalar_type());
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "bf16 or fp32, got ", q.scalar_type());
     attend_all<uint16_t>(q, keys, values, visible, scale, out, prefix_keys, prefix_values,
                          prefix_lens);
   }
@@ -694,26 +697,26 @@ static void add_rms_norm_rows(const T* xp, const T* dp, const T* wp, T* sp, T* y
 }
 
 // Returns (sum, y); the sum is x itself when delta is undefined. bf16 or fp32.
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
-                                        torch::Tensor weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta,
+                                     at::Tensor weight, double eps) {
   x = x.contiguous();
   const int64_t H = x.size(-1), N = x.numel() / H;
-  torch::Tensor sum = x, dc;
+  at::Tensor sum = x, dc;
   if (delta.has_value()) {
     TORCH_CHECK(delta->sizes() == x.sizes(), "delta must be shaped as x");
-    sum = torch::empty_like(x);
+    sum = at::empty_like(x);
     dc = delta->contiguous();
   }
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   auto wc = weight.contiguous();
   const float e = static_cast<float>(eps);
-  if (x.scalar_type() == torch::kFloat) {
+  if (x.scalar_type() == at::kFloat) {
     add_rms_norm_rows<float>(x.data_ptr<float>(), dc.defined() ? dc.data_ptr<float>() : nullptr,
                              wc.data_ptr<float>(), sum.data_ptr<float>(), y.data_ptr<float>(),
                              N, H, e);
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "bf16 or fp32, got ", x.scalar_type());
-    auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "bf16 or fp32, got ", x.scalar_type());
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
     add_rms_norm_rows<uint16_t>(bits(x), dc.defined() ? bits(dc) : nullptr, bits(wc), bits(sum),
                                 bits(y), N, H, e);
   }
@@ -758,9 +761,9 @@ static void rope_head(const T* x, const T* c, const T* s, T* y, int64_t D) {
 }
 
 template <typename T>
-static void rope_write(torch::Tensor mixed, torch::Tensor cos, torch::Tensor sin,
-                       torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
-                       torch::Tensor q, int64_t heads) {
+static void rope_write(at::Tensor mixed, at::Tensor cos, at::Tensor sin,
+                       at::Tensor keys, at::Tensor values, at::Tensor slots,
+                       at::Tensor q, int64_t heads) {
   const int64_t B = mixed.size(0), T_ = mixed.size(1), KV = keys.size(1), D = keys.size(3);
   const int64_t width = (heads + 2 * KV) * D;
   const auto* mp = reinterpret_cast<const T*>(mixed.data_ptr());
@@ -790,12 +793,11 @@ static void rope_write(torch::Tensor mixed, torch::Tensor cos, torch::Tensor sin
 // queries and keys of mixed [B, T, (H + 2 KV) * D] (the q|k|v product), the new keys and
 // values written to slots [B, T] of the cache [B, KV, capacity, D], then decode_attention
 // over its first `span` slots. cos, sin [B, T, D]. bf16 or fp32 throughout.
-torch::Tensor rope_attend(torch::Tensor mixed, torch::Tensor cos, torch::Tensor sin,
-                          torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
-                          torch::Tensor visible, int64_t heads, double scale,
-                          c10::optional<torch::Tensor> prefix_keys,
-                          c10::optional<torch::Tensor> prefix_values,
-                          c10::optional<torch::Tensor> prefix_lens) {
+at::Tensor rope_attend(at::Tensor mixed, at::Tensor cos, at::Tensor sin, at::Tensor keys,
+                       at::Tensor values, at::Tensor slots, at::Tensor visible, int64_t heads,
+                       double scale, c10::optional<at::Tensor> prefix_keys,
+                       c10::optional<at::Tensor> prefix_values,
+                       c10::optional<at::Tensor> prefix_lens) {
   const int64_t B = mixed.size(0), T_ = mixed.size(1), KV = keys.size(1), D = keys.size(3);
   TORCH_CHECK(mixed.is_contiguous() && mixed.size(2) == (heads + 2 * KV) * D,
               "mixed: [B, T, (H + 2 KV) D]");
@@ -804,8 +806,8 @@ torch::Tensor rope_attend(torch::Tensor mixed, torch::Tensor cos, torch::Tensor 
   cos = cos.contiguous();
   sin = sin.contiguous();
   slots = slots.contiguous();
-  auto q = torch::empty({B, T_, heads, D}, mixed.options());
-  if (mixed.scalar_type() == torch::kFloat)
+  auto q = at::empty({B, T_, heads, D}, mixed.options());
+  if (mixed.scalar_type() == at::kFloat)
     rope_write<float>(mixed, cos, sin, keys, values, slots, q, heads);
   else
     rope_write<uint16_t>(mixed, cos, sin, keys, values, slots, q, heads);
@@ -857,14 +859,14 @@ static int64_t first_peak(const T* x, int64_t V) {
 }
 
 // Each row's first_peak over the last dimension of x (bf16 or fp32): x.max(-1).indices.
-torch::Tensor row_argmax(torch::Tensor x) {
+at::Tensor row_argmax(at::Tensor x) {
   x = x.contiguous();
   const int64_t V = x.size(-1), N = x.numel() / V;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  auto out = torch::empty(shape, x.options().dtype(torch::kLong));
+  auto out = at::empty(shape, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
-  const bool fp32 = x.scalar_type() == torch::kFloat;
-  TORCH_CHECK(fp32 || x.scalar_type() == torch::kBFloat16, "bf16 or fp32, got ", x.scalar_type());
+  const bool fp32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(fp32 || x.scalar_type() == at::kBFloat16, "bf16 or fp32, got ", x.scalar_type());
   const float* fp = fp32 ? x.data_ptr<float>() : nullptr;
   const uint16_t* bp = fp32 ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr());
   at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
@@ -881,14 +883,14 @@ torch::Tensor row_argmax(torch::Tensor x) {
 // fp32 as torch computes it, with exp16's polynomial for torch's: within an fp32 ulp or
 // two, so a bf16 result can differ from torch's by one bf16 ulp where the fp32 value sits
 // on a rounding boundary.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "bf16 only");
+at::Tensor silu_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "bf16 only");
   gate_up = gate_up.contiguous();
   const int64_t I = gate_up.size(-1) / 2, N = gate_up.numel() / (2 * I);
   TORCH_CHECK(I % 16 == 0, "the intermediate size must be a multiple of 16");
   std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
   shape.back() = I;
-  auto out = torch::empty(shape, gate_up.options());
+  auto out = at::empty(shape, gate_up.options());
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
   const __m512 one = _mm512_set1_ps(1.f);
@@ -912,9 +914,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 #else
 // Without AVX512-BF16: torch's own ops, rounding as before.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   const auto halves = gate_up.chunk(2, -1);
-  return torch::silu(halves[0]) * halves[1];
+  return at::silu(halves[0]).mul(halves[1]);
 }
 #endif
 
@@ -939,10 +941,10 @@ static inline float dot_fp32(const float* h, const float* w, int64_t H) {
 // only the tokens whose score + bound reaches the highest score - bound could be the
 // fp32 argmax: each row's first maximum of hidden . weight_j over those, or -1 where the
 // row's scores hold a NaN or an infinity (the caller takes the full product there).
-torch::Tensor screened_argmax(torch::Tensor hidden, torch::Tensor screen, torch::Tensor weight,
-                              torch::Tensor norms, double coeff, double rel) {
-  TORCH_CHECK(hidden.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat &&
-                  norms.scalar_type() == torch::kFloat && screen.scalar_type() == torch::kBFloat16,
+at::Tensor screened_argmax(at::Tensor hidden, at::Tensor screen, at::Tensor weight,
+                           at::Tensor norms, double coeff, double rel) {
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                  norms.scalar_type() == at::kFloat && screen.scalar_type() == at::kBFloat16,
               "hidden, weight and norms fp32, screen bf16");
   hidden = hidden.contiguous();
   screen = screen.contiguous();
@@ -950,7 +952,7 @@ torch::Tensor screened_argmax(torch::Tensor hidden, torch::Tensor screen, torch:
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
   TORCH_CHECK(screen.size(0) == N && screen.size(1) == V && weight.size(1) == H &&
                   norms.size(0) == V, "shapes: hidden [N, H], screen [N, V], weight [V, H]");
-  auto out = torch::empty({N}, hidden.options().dtype(torch::kLong));
+  auto out = at::empty({N}, hidden.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   const float* hp = hidden.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
