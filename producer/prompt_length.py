@@ -29,6 +29,7 @@ not by the input. And what cannot fit is refused before any tokenizing:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from functools import cache
 from typing import Any
 
 from tokenizers.models import BPE
@@ -106,7 +107,9 @@ def prompt_token_counter(tokenizer: Any, max_context: int) -> TokenCounter:
     # Post-processor specials (BOS/EOS) and a prefix space some pre-tokenizers insert.
     slack = len(backend.encode("").ids) + 1
     template = TemplateBytes(tokenizer)
-    longest = longest_token_bytes(tokenizer)
+    # Read off the whole vocabulary (~40 ms of every job's creation) only once a request's
+    # bytes reach the context: most jobs have none.
+    longest = cache(lambda: longest_token_bytes(tokenizer))
 
     def counts(requests: Sequence[Request]) -> list[int]:
         rendered = [template.rendered_bytes(r.messages) for r in requests]
@@ -115,8 +118,9 @@ def prompt_token_counter(tokenizer: Any, max_context: int) -> TokenCounter:
         for i, bound in enumerate(out):
             if bound < max_context:
                 continue
-            if longest is not None and -(-rendered[i] // longest) >= max_context:
-                out[i] = TokensAtLeast(-(-rendered[i] // longest))
+            most = longest()
+            if most is not None and -(-rendered[i] // most) >= max_context:
+                out[i] = TokensAtLeast(-(-rendered[i] // most))
             else:
                 unsure.append(i)
         for i, n in zip(unsure, exact([requests[i] for i in unsure]), strict=True):

@@ -155,3 +155,20 @@ def test_only_a_bpe_without_unknown_token_bounds_a_tokens_bytes(smollm_tokenizer
     vocab = smollm_tokenizer.backend_tokenizer.get_vocab()
     assert longest == max(len(token.encode()) for token in vocab)
     assert longest_token_bytes(tiny_tokenizer) is None  # word-level: an unknown word is one
+
+
+def test_the_vocabulary_is_read_once_and_only_for_a_prompt_near_the_context(
+    smollm_tokenizer, monkeypatch
+):
+    """Reading every token's bytes costs ~40 ms: a job whose prompts are all short never
+    pays it, and one with many long prompts pays it once."""
+    reads = []
+    real = prompt_length.longest_token_bytes
+    monkeypatch.setattr(
+        prompt_length, "longest_token_bytes", lambda tok: reads.append(1) or real(tok)
+    )
+    counts = prompt_token_counter(smollm_tokenizer, 256)
+    short = [request([{"role": "user", "content": "Name a colour."}])] * 3
+    assert all(n < 256 for n in counts(short)) and reads == []
+    long = [request([{"role": "user", "content": "t5 " * 15000}])] * 3  # 45 KB: > 256 x 162
+    assert all(isinstance(n, TokensAtLeast) for n in counts(long)) and reads == [1]
