@@ -36,6 +36,12 @@ def first_turns(n: int) -> list[str]:
     return FALLBACK_PROMPTS[:n]
 
 
+# For tests of what decodes under controls or a grammar, not of the planner: a fixed tree
+# drafts in every EAGLE-2 round and needs no cost table (the identity tests here measure
+# it, with the planner that sizes each round's tree by it).
+FIXED_TREE = 10
+
+
 @pytest.fixture(scope="module")
 def engine():
     try:

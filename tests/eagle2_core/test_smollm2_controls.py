@@ -12,14 +12,11 @@ from eagle2_core.config import DecodeConfig
 from eagle2_core.registry import encode_chat
 from tests.eagle2_core.test_controls import openai_greedy
 from tests.eagle2_core.test_logprobs import check
-from tests.eagle2_core.test_smollm2 import engine, first_turns  # noqa: F401 (a fixture)
+from tests.eagle2_core.test_smollm2 import FIXED_TREE, engine, first_turns  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
 TOKENS = 48
-# A fixed tree: every EAGLE-2 round drafts under the controls, and these tests need no cost
-# table (test_smollm2.py measures it, with the planner that sizes trees by it).
-TREE = 10
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +36,7 @@ def test_repetition_penalty_equals_generate(engine, prompts):  # noqa: F811
         expected = out[0, len(ids) :].tolist()
         for mode in ("eagle2", "vanilla"):
             config = DecodeConfig(
-                mode=mode, max_new_tokens=TOKENS, total_tokens=TREE, repetition_penalty=1.3
+                mode=mode, max_new_tokens=TOKENS, total_tokens=FIXED_TREE, repetition_penalty=1.3
             )
             assert engine.generate(ids, config).token_ids == expected, mode
 
@@ -50,13 +47,13 @@ def test_openai_penalties_and_logit_bias_equal_their_definitions(engine, prompts
     expected = openai_greedy(target, ids, TOKENS, 0.4, 0.6, {space: -100.0})
     controls = dict(presence_penalty=0.4, frequency_penalty=0.6, logit_bias=((space, -100.0),))
     for mode in ("eagle2", "vanilla"):
-        config = DecodeConfig(mode=mode, max_new_tokens=TOKENS, total_tokens=TREE, **controls)
+        config = DecodeConfig(mode=mode, max_new_tokens=TOKENS, total_tokens=FIXED_TREE, **controls)
         assert engine.generate(ids, config).token_ids == expected, mode
 
 
 def test_logprobs_are_the_fp32_log_softmax(engine, prompts):  # noqa: F811
     for ids in prompts[:2]:
         config = DecodeConfig(
-            max_new_tokens=TOKENS, total_tokens=TREE, logprobs=True, top_logprobs=3
+            max_new_tokens=TOKENS, total_tokens=FIXED_TREE, logprobs=True, top_logprobs=3
         )
         check(engine.target, ids, engine.generate(ids, config), 3)

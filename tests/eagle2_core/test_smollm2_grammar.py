@@ -12,7 +12,7 @@ import pytest
 from eagle2_core.config import DecodeConfig
 from eagle2_core.registry import encode_chat
 from tests.eagle2_core.test_grammar import plain_constrained
-from tests.eagle2_core.test_smollm2 import engine  # noqa: F401 (a fixture)
+from tests.eagle2_core.test_smollm2 import FIXED_TREE, engine  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -33,16 +33,13 @@ QUESTIONS = [
     "Give me a JSON record of a classic novel: title, year, genres, rating.",
 ]
 TOKENS = 120
-# A fixed tree: every EAGLE-2 round drafts under the mask, and this test needs no cost
-# table (test_smollm2.py measures it, with the planner that sizes trees by it).
-TREE = 10
 
 
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_a_json_schema_answer_fits_it_and_is_the_same_in_every_mode(engine, question):  # noqa: F811
     target = engine.target
     ids = encode_chat(target.tokenizer, [{"role": "user", "content": question}])
-    settings = {"max_new_tokens": TOKENS, "response_format": FORMAT, "total_tokens": TREE}
+    settings = {"max_new_tokens": TOKENS, "response_format": FORMAT, "total_tokens": FIXED_TREE}
     answers = {
         mode: engine.generate(ids, DecodeConfig.from_settings(mode, settings))
         for mode in ("eagle2", "vanilla")
