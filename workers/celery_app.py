@@ -14,7 +14,7 @@ import re
 
 from celery import Celery
 
-from workers.settings import load_settings
+from workers.settings import load_settings, number_setting
 
 # Seconds a delivered, unacknowledged shard waits before Redis hands it out again. It must
 # exceed the longest shard (docker/README.md "Shard size against the visibility timeout")
@@ -43,14 +43,13 @@ def queue_for(model: str) -> str:
 
 def visibility_timeout() -> int:
     """`EAGLE2_VISIBILITY_TIMEOUT` in seconds (default 6 h); must be a positive integer."""
-    raw = os.environ.get(VISIBILITY_TIMEOUT_ENV) or str(DEFAULT_VISIBILITY_TIMEOUT)
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"{VISIBILITY_TIMEOUT_ENV} must be a positive number of seconds: {raw!r}")
-    return value
+    return number_setting(
+        VISIBILITY_TIMEOUT_ENV,
+        DEFAULT_VISIBILITY_TIMEOUT,
+        int,
+        lambda v: v > 0,
+        "a positive number of seconds",
+    )
 
 
 def transport_options(timeout: int) -> dict[str, int]:

@@ -12,7 +12,6 @@ reclaim it (workers.db.reclaim_stalled); `status` shows it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -22,6 +21,7 @@ from sqlalchemy.exc import DBAPIError
 
 from workers import db
 from workers.schema import utcnow
+from workers.settings import number_setting
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,9 @@ STALL_BEATS = 6
 
 def heartbeat_period() -> float:
     """`EAGLE2_HEARTBEAT_S` in seconds (default 10); must be a positive number."""
-    raw = os.environ.get(HEARTBEAT_ENV) or str(DEFAULT_HEARTBEAT_S)
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise ValueError(f"{HEARTBEAT_ENV} must be a positive number of seconds: {raw!r}")
-    return value
+    return number_setting(
+        HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S, float, lambda v: v > 0, "a positive number of seconds"
+    )
 
 
 def stall_after() -> float:

@@ -10,7 +10,6 @@ rebuilt from every stored row of the shard, so it is complete whichever run writ
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from workers.heartbeat import Heartbeat, heartbeat_period, silent_since, stall_a
 from workers.job_settings import JobSettings
 from workers.parquet_sink import write_shard_parquet
 from workers.request import Request
+from workers.settings import number_setting
 
 if TYPE_CHECKING:  # decoding imports torch; the producer side of this module must not
     from workers.decoding import SampleDecoder
@@ -108,14 +108,13 @@ def flush_retry_s() -> float:
     """`EAGLE2_DB_WRITE_RETRY_S`: seconds a running shard's writes retry a lost database in
     place (default 60; longer than the database's failover keeps its decoded rows); a
     non-negative number."""
-    raw = os.environ.get(FLUSH_RETRY_ENV) or str(DEFAULT_FLUSH_RETRY_S)
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"{FLUSH_RETRY_ENV} must be a number of seconds, 0 or more: {raw!r}")
-    return value
+    return number_setting(
+        FLUSH_RETRY_ENV,
+        DEFAULT_FLUSH_RETRY_S,
+        float,
+        lambda v: 0 <= v < float("inf"),
+        "a number of seconds, 0 or more",
+    )
 
 
 def _retrying(retry_s: float, write: Callable[..., Any], *args: Any) -> Any:

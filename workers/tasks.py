@@ -27,7 +27,7 @@ from eagle2_core.config import AUTO
 from workers import db
 from workers.celery_app import app, queue_for
 from workers.job_settings import JobSettings
-from workers.settings import Settings, load_settings
+from workers.settings import Settings, load_settings, number_setting
 from workers.shards import RETRYABLE_DB_ERRORS, load_job, mark_failed, process_shard
 from workers.watchdog import start_watchdog
 
@@ -184,10 +184,13 @@ def decoder_for(job: dict[str, Any]) -> SampleDecoder:
 def db_retries() -> int:
     """`EAGLE2_DB_RETRIES`: Celery retries of a shard whose database failed mid-shard
     (default 10); a non-negative integer."""
-    raw = os.environ.get(DB_RETRIES_ENV) or "10"
-    if not raw.isdigit():
-        raise ValueError(f"{DB_RETRIES_ENV} must be a whole number of retries: {raw!r}")
-    return int(raw)
+    return number_setting(
+        DB_RETRIES_ENV,
+        10,
+        lambda raw: int(raw) if raw.isdigit() else None,
+        lambda v: True,
+        "a whole number of retries",
+    )
 
 
 def _wait_for_database(engine: Engine) -> None:
