@@ -15,7 +15,9 @@ and dtype:
 
 The table is cached as JSON under EAGLE2_CACHE_DIR/costs/ and measured again after
 `STALE_DAYS` or when anything in its key changes (device, threads, model shape, dtype,
-torch version, the CPU kernels' build).
+torch version, the CPU kernels' build). Decoding corrects it: a round that verifies
+faster than its entry proves the entry slow (`CostModel.lower`), and the lower entry is
+kept in the file for later jobs (`CostModel.keep`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ LARGE_TOKENS = 64  # B x n above which two passes suffice (their best is taken)
 # come and still be chosen.
 MAX_AUTO_BATCH = {"cuda": 256, "cpu": 128}
 THROUGHPUT_SLACK = 0.03
+# A round lowers a verify entry it beats by more than this share (smaller gains would
+# rewrite the table for nothing the planner could tell apart).
+LOWER_MARGIN = 0.02
+# The most a round's rows with fewer slots than CONTEXT may add back, as their keys' cost
+# at key_ms, for the round to be compared with the table (below).
+SHORT_CONTEXT_SHARE = 0.05
 
 
 @dataclass
@@ -74,6 +82,8 @@ class CostModel:
     draft_ms: list[list[float]]  # [batch][width]
     key_ms: float  # per query token per extra context slot
     _curves: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _path: Path | None = field(default=None, repr=False, compare=False)  # where it is kept
+    _lowered: bool = field(default=False, repr=False, compare=False)  # since last kept
 
     def verify(self, batch: int, n: int, context: int = CONTEXT) -> float:
         """A verify forward of n nodes in each of `batch` rows over `context` slots. Longer
@@ -95,6 +105,55 @@ class CostModel:
         nodes = torch.arange(largest + 1)
         attention = self.key_ms * batch * nodes * max(context - CONTEXT, 0)
         return self._curves[batch][: largest + 1] + attention
+
+    def lower(self, n: int, contexts: list[int], ms: float) -> bool:
+        """A verify forward of n nodes in each of len(contexts) rows, after each row's
+        context, took `ms` with the full lm_head and no shared-prefix reads (as the table
+        measures it). Noise only ever slows a run, so an entry such a round beats was
+        measured slow: three tables measured one after another on the idle Zen 4 VM put 4
+        nodes of one row at 19.0, 15.6 and 16.6 ms, and the 19.0 halved one-row trees.
+        The grid point at or below (rows, n) takes `ms`, and every point that costs no
+        more takes at most that (`_monotone`). Rows with fewer slots than CONTEXT read
+        fewer keys: their keys' cost at key_ms is added back where it is a small share of
+        the round (one row of 4 nodes at 100 slots: ~0.4 of 16 ms); above
+        SHORT_CONTEXT_SHARE the round is not compared (key_ms is measured at 16 queries a
+        row, which share their row's reads). Only a table measured on this device learns:
+        a made-up one (tests') stays as made. Whether an entry changed."""
+        short = self.key_ms * n * sum(max(CONTEXT - c, 0) for c in contexts)
+        if self._path is None or short > SHORT_CONTEXT_SHARE * ms:
+            return False
+        row = max(i for i, b in enumerate(self.batch_grid) if b <= max(len(contexts), 1))
+        col = max(j for j, t in enumerate(self.tree_grid) if t <= max(n, 1))
+        entry = self.verify_ms[row][col]
+        if entry is None or ms + short >= entry * (1 - LOWER_MARGIN):
+            return False
+        self.verify_ms[row][col] = ms + short
+        self.verify_ms = _monotone(self.verify_ms)
+        self._curves.clear()
+        self._lowered = True
+        return True
+
+    def keep(self) -> None:
+        """Write the entries lowered since the last keep into the cache file, each the
+        lower of the file's and this table's (other processes lower theirs). A file
+        measured anew or removed meanwhile stays as it is, as does one whose lock is held: its
+        holder is measuring (half a minute), and this table keeps its entries for the
+        next keep. A folder that cannot be written costs only the entries."""
+        if self._path is None or not self._lowered:
+            return
+        try:
+            with open(self._path.with_suffix(".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                kept = _read(self._path)
+                if kept is not None and (kept.key, kept.measured_at) == (
+                    self.key,
+                    self.measured_at,
+                ):
+                    kept.verify_ms = _monotone(_lower_of(self.verify_ms, kept.verify_ms))
+                    _write(self._path, kept)
+                self._lowered = False
+        except OSError as exc:  # BlockingIOError: the lock is held
+            log.debug("cost table not kept this time: %s", exc)
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if not k.startswith("_")})
@@ -228,20 +287,33 @@ def load_or_measure(
         started = time.perf_counter()
         model = measure(target, head, max_batch, key)
         log.info("forward costs measured in %.1f s", time.perf_counter() - started)
-        staging = path.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(model.to_json())
-        staging.replace(path)
+        _write(path, model)
+    model._path = path
     return model
 
 
 def _cached(path: Path, key: str, max_batch: int) -> CostModel | None:
     """The table at path where it is this key's, fresh, and covers max_batch rows."""
+    model = _read(path)
+    if model is None:
+        return None
+    fresh = time.time() - model.measured_at < STALE_DAYS * 86400
+    return model if model.key == key and fresh and max(model.batch_grid) >= max_batch else None
+
+
+def _read(path: Path) -> CostModel | None:
     try:
         model = CostModel(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    fresh = time.time() - model.measured_at < STALE_DAYS * 86400
-    return model if model.key == key and fresh and max(model.batch_grid) >= max_batch else None
+    model._path = path
+    return model
+
+
+def _write(path: Path, model: CostModel) -> None:
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(model.to_json())
+    staging.replace(path)
 
 
 def _batch_grid(max_batch: int) -> list[int]:
@@ -353,6 +425,14 @@ def measure(target: Target, head: LeanHead | None, max_batch: int, key: str = ""
         draft_ms=draft_ms,
         key_ms=key_ms,
     )
+
+
+def _lower_of(table: list[list], other: list[list]) -> list[list]:
+    """Entry by entry the lower of two tables of one grid (None stays None)."""
+    return [
+        [None if a is None else min(a, b) for a, b in zip(mine, theirs, strict=True)]
+        for mine, theirs in zip(table, other, strict=True)
+    ]
 
 
 def _monotone(table: list[list[float | None]]) -> list[list[float | None]]:

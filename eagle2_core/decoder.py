@@ -100,6 +100,7 @@ class BatchDecoder:
         self.joining: list[Joining] = []  # added, to be prefilled at the next step
         self.prefill: Prefill | None = None
         self.shared: SharedPrefix | None = None  # leading tokens the last prompts shared
+        self.lowered: CostModel | None = None  # the cost table, once a round corrected it
 
     @property
     def active(self) -> int:
@@ -412,6 +413,7 @@ class BatchDecoder:
         finished = time.perf_counter()
         if planner is not None:
             self._calibrate(planner, trees, step.lengths, finished - started)
+            self._correct_costs(planner.costs, trees.width, context_lens, finished - drafted)
         self._attribute(drafted - started, finished - drafted, step.sizes)
         self._advance(step)
         self._drop_finished()
@@ -600,6 +602,18 @@ class BatchDecoder:
         modelled = planner.draft_ms + float(planner.verify_ms[planner.chosen])
         calibration.record_overhead(seconds * 1000 - modelled)
 
+    def _correct_costs(
+        self, costs: CostModel, width: int, context_lens: list[int], seconds: float
+    ) -> None:
+        """A round that verified as the cost table measures a forward (the full lm_head,
+        no shared prefix read) lowers an entry it beats (CostModel.lower); the table is
+        kept when the batch empties (_drop_finished)."""
+        screened = self._plain_greedy() and self.target.screened is not None
+        if screened or self.kv.prefix_reads() is not None:
+            return
+        if costs.lower(width, context_lens, seconds * 1000):
+            self.lowered = costs
+
     def _attribute(self, draft_s: float, verify_s: float, sizes: list[int]) -> None:
         """Drafting time is shared evenly, verify time by tree size."""
         total = sum(sizes)
@@ -619,6 +633,9 @@ class BatchDecoder:
         if self.dynamic is not None and self.dynamic.remove_rows(gone) != order:
             raise AssertionError("the draft cache's rows left the target's order")
         self._follow(order)
+        if not self.rows and self.lowered is not None:
+            self.lowered.keep()
+            self.lowered = None
 
     def _sort_rows(self) -> None:
         """Rows longest first again when chunked attention would read much less so

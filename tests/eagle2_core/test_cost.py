@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import threading
 import time
@@ -213,3 +214,79 @@ def test_an_engine_sizes_its_auto_batch_by_the_table_and_free_memory(tmp_path, m
     row = 2 * len(lean.layers) * lean.shape.kv_heads * lean.shape.dim * 4 * RESERVE_SLOTS
     monkeypatch.setattr(engine_module, "free_memory", lambda device: 2 * 3 * row)
     assert engine.auto_batch_size() <= 3  # half the free memory holds 3 rows
+
+
+def kept_table(tmp_path, key_ms: float = 0.0) -> CostModel:
+    """A one- and two-row table as the cache holds it (read from its file): 4 and 8
+    nodes of one row cost 9 and 10 ms, as much as 1 and 2 of two rows."""
+    table = CostModel(
+        key="kept",
+        measured_at=time.time(),
+        batch_grid=[1, 2],
+        tree_grid=[1, 2, 4, 8],
+        verify_ms=[[6.0, 7.0, 9.0, 10.0], [9.0, 10.0, 12.0, None]],
+        width_grid=[1],
+        draft_ms=[[1.0], [1.0]],
+        key_ms=key_ms,
+    )
+    path = tmp_path / "kept.json"
+    path.write_text(table.to_json())
+    return cost._read(path)
+
+
+def test_a_round_faster_than_its_entry_lowers_it_and_what_costs_no_more(tmp_path):
+    table = kept_table(tmp_path)
+    before = table.verify_curve(1, 8, cost.CONTEXT).tolist()
+    assert table.lower(4, [cost.CONTEXT], 5.0)  # one row of 4 nodes took 5 ms
+    assert table.verify_ms == [[5.0, 5.0, 5.0, 10.0], [9.0, 10.0, 12.0, None]]
+    assert table.verify_curve(1, 8, cost.CONTEXT).tolist() != before  # the planner's too
+    assert not table.lower(4, [cost.CONTEXT], 4.95)  # within LOWER_MARGIN: nothing to tell
+    # 3 rows of 6 nodes bound the grid point at or below: 2 rows of 4
+    assert table.lower(6, [300, 300, 300], 4.0)
+    assert table.verify_ms == [[4.0, 4.0, 4.0, 10.0], [4.0, 4.0, 4.0, None]]
+    assert not table.lower(8, [cost.CONTEXT] * 2, 1.0)  # never measured: nothing to lower
+    assert not table.lower(8, [cost.CONTEXT], 20.0)  # slower: noise, or a busy machine
+
+
+def test_rows_short_of_the_tables_context_add_back_their_keys_only_where_small(tmp_path):
+    # one row of 4 nodes 156 slots short: 4 x 156 x key_ms
+    assert kept_table(tmp_path, key_ms=1e-4).lower(4, [100], 5.0)
+    table = kept_table(tmp_path, key_ms=1e-4)
+    table.lower(4, [100], 5.0)
+    assert table.verify_ms[0][2] == pytest.approx(5.0 + 4 * 156 * 1e-4)
+    # 5.0 + 0.62 ms: more than SHORT_CONTEXT_SHARE of the round, which is not compared
+    assert not kept_table(tmp_path, key_ms=1e-3).lower(4, [100], 5.0)
+
+
+def test_a_made_up_table_learns_nothing(tmp_path):
+    table = kept_table(tmp_path)
+    made_up = CostModel(**json.loads(table.to_json()))
+    assert not made_up.lower(4, [cost.CONTEXT], 5.0)
+    assert made_up.verify_ms[0][2] == 9.0
+
+
+def test_lowered_entries_are_kept_beside_other_processes_and_not_over_a_new_table(tmp_path):
+    path = tmp_path / "kept.json"
+    mine, theirs = kept_table(tmp_path), cost._read(path)
+    mine.lower(4, [cost.CONTEXT], 5.0)
+    theirs.lower(2, [cost.CONTEXT] * 2, 8.0)
+    mine.keep()
+    theirs.keep()
+    assert cost._read(path).verify_ms == [[5.0, 5.0, 5.0, 10.0], [8.0, 8.0, 12.0, None]]
+
+    with open(path.with_suffix(".lock"), "a") as lock:  # a process measuring holds it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        mine.lower(1, [cost.CONTEXT], 3.0)
+        mine.keep()
+        assert cost._read(path).verify_ms[0][0] == 5.0
+    mine.keep()  # the next keep writes what the last one could not
+    assert cost._read(path).verify_ms[0][0] == 3.0
+
+    remeasured = kept_table(tmp_path)  # a table measured anew in the same file
+    mine.lower(1, [cost.CONTEXT], 2.0)
+    mine.keep()
+    assert cost._read(path) == remeasured
+    path.unlink()  # removed by hand, to be measured again: not written back
+    mine.lower(1, [cost.CONTEXT], 1.0)
+    mine.keep()
+    assert not path.exists()

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from eagle2_core import cost
 from eagle2_core.config import DecodeConfig
+from eagle2_core.cost import CostModel
 from eagle2_core.decoder import GROUP_COST_TOKENS, MAX_REST, PREFILL_TOKENS, BatchDecoder, _groups
 from eagle2_core.dynamic import DynamicDrafter, Fresh, extend_fresh
 from eagle2_core.engine import Engine
@@ -181,6 +183,48 @@ def test_drafting_goes_on_where_it_pays(monkeypatch):
     got = engine.generate(prompt, DecodeConfig(max_new_tokens=30))
     assert got.token_ids == hf_greedy(target, prompt, 30)
     assert len(calls) == got.stats.n_cycles and got.stats.mean_tree_size > 1
+
+
+def kept_costs(tmp_path) -> CostModel:
+    """device_costs as the cache keeps a measured table (read from its file): 10 ms a
+    round, far above what the tiny model's rounds take."""
+    path = tmp_path / "costs.json"
+    path.write_text(device_costs(verify_per_node_ms=0.0, draft_ms=0.01).to_json())
+    return cost._read(path)
+
+
+def test_rounds_faster_than_the_table_lower_it_and_the_emptied_batch_keeps_it(tmp_path):
+    """Rounds with every logit (logprobs: the full lm_head, as the table times it) beat
+    the table's 10 ms: the entries at their sizes are lowered in the engine's table and,
+    once the batch empties, in its file; the tokens stay generate's."""
+    target = tiny_target(eos=None)
+    engine = Engine(target, tiny_head(target))
+    engine._costs = kept_costs(tmp_path)
+    prompt = prompts(96, lengths=(7,))[0]
+    got = engine.generate(prompt, DecodeConfig(max_new_tokens=30, logprobs=True))
+    assert got.token_ids == hf_greedy(target, prompt, 30)
+    lowered = engine._costs.verify_ms[0]
+    assert lowered[0] < 10.0 and lowered == sorted(lowered)
+    assert cost._read(tmp_path / "costs.json").verify_ms[0] == lowered
+
+
+def test_rounds_unlike_the_tables_forwards_leave_it_as_measured(tmp_path):
+    """Rows that read a shared prefix once, and plain greedy rounds through the screened
+    fp32 lm_head (on CPUs with native bf16), run less than the table's forward of the
+    same size: they prove nothing about its entries."""
+    target = tiny_target(eos=None)
+    engine = Engine(target, tiny_head(target))
+    engine._costs = kept_costs(tmp_path)
+    shared = prompts(96, lengths=(20,))[0]
+    batch = [("a", [*shared, 5]), ("b", [*shared, 6, 7])]
+    list(
+        engine.generate_batch(
+            [(k, p, DecodeConfig(max_new_tokens=20, logprobs=True)) for k, p in batch], 2
+        )
+    )
+    assert engine._costs.verify_ms[0][0] == 10.0
+    engine.generate(prompts(96, lengths=(7,))[0], DecodeConfig(max_new_tokens=20))
+    assert (engine._costs.verify_ms[0][0] < 10.0) == (target.screened is None)
 
 
 def test_a_batch_drafts_one_way():
