@@ -110,8 +110,9 @@ class CostModel:
         """A verify forward of n nodes in each of len(contexts) rows, after each row's
         context, took `ms` with the full lm_head and no shared-prefix reads (as the table
         measures it). Noise only ever slows a run, so an entry such a round beats was
-        measured slow: three tables measured one after another on the idle Zen 4 VM put 4
-        nodes of one row at 19.0, 15.6 and 16.6 ms, and the 19.0 halved one-row trees.
+        measured slow: three tables measured one after another on an idle 2-core VM put
+        one row's 4 nodes at 19.0, 15.6 and 16.6 ms, and a table lasts STALE_DAYS.
+
         The grid point at or below (rows, n) takes `ms`, and every point that costs no
         more takes at most that (`_monotone`). Rows with fewer slots than CONTEXT read
         fewer keys: their keys' cost at key_ms is added back where it is a small share of
@@ -136,19 +137,16 @@ class CostModel:
     def keep(self) -> None:
         """Write the entries lowered since the last keep into the cache file, each the
         lower of the file's and this table's (other processes lower theirs). A file
-        measured anew or removed meanwhile stays as it is, as does one whose lock is held: its
-        holder is measuring (half a minute), and this table keeps its entries for the
-        next keep. A folder that cannot be written costs only the entries."""
+        measured anew or removed meanwhile stays as it is. So does one whose lock is
+        held (its holder is measuring, half a minute): the next keep writes them. A
+        folder that cannot be written costs only the entries."""
         if self._path is None or not self._lowered:
             return
         try:
             with open(self._path.with_suffix(".lock"), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 kept = _read(self._path)
-                if kept is not None and (kept.key, kept.measured_at) == (
-                    self.key,
-                    self.measured_at,
-                ):
+                if kept is not None and kept.measured_at == self.measured_at:
                     kept.verify_ms = _monotone(_lower_of(self.verify_ms, kept.verify_ms))
                     _write(self._path, kept)
                 self._lowered = False
