@@ -108,10 +108,11 @@ class CostModel:
 
     def lower(self, n: int, contexts: list[int], ms: float) -> bool:
         """A verify forward of n nodes in each of len(contexts) rows, after each row's
-        context, took `ms` with the full lm_head and no shared-prefix reads (as the table
-        measures it). Noise only ever slows a run, so an entry such a round beats was
-        measured slow: three tables measured one after another on an idle 2-core VM put
-        one row's 4 nodes at 19.0, 15.6 and 16.6 ms, and a table lasts STALE_DAYS.
+        context (its own slots: a prefix read from one shared copy not counted), took
+        `ms` with the full lm_head (as the table measures it). Noise only ever slows a
+        run, so an entry such a round beats was measured slow: three tables measured one
+        after another on an idle 2-core VM put one row's 4 nodes at 19.0, 15.6 and 16.6
+        ms, and a table lasts STALE_DAYS.
 
         The grid point at or below (rows, n) takes `ms`, and every point that costs no
         more takes at most that (`_monotone`). Rows with fewer slots than CONTEXT read

@@ -605,12 +605,15 @@ class BatchDecoder:
     def _correct_costs(
         self, costs: CostModel, width: int, context_lens: list[int], seconds: float
     ) -> None:
-        """A round that verified as the cost table measures a forward (the full lm_head,
-        no shared prefix read) lowers an entry it beats (CostModel.lower); the table is
-        kept when the batch empties (_drop_finished)."""
-        screened = self._plain_greedy() and self.target.screened is not None
-        if screened or self.kv.prefix_reads() is not None:
-            return
+        """A round that ran the full lm_head, as the cost table's forwards do, lowers an
+        entry it beats (CostModel.lower); the table is kept when the batch empties
+        (_drop_finished). Rows that read a shared prefix from one copy in cache count
+        their own slots only: the table's rows read all of theirs from memory."""
+        if self._plain_greedy() and self.target.screened is not None:
+            return  # the screened lm_head: cheaper than the table's
+        shared = self.kv.prefix_reads()
+        if shared is not None:
+            context_lens = [c - p for c, p in zip(context_lens, shared.lens.tolist(), strict=True)]
         if costs.lower(width, context_lens, seconds * 1000):
             self.lowered = costs
 

@@ -208,23 +208,37 @@ def test_rounds_faster_than_the_table_lower_it_and_the_emptied_batch_keeps_it(tm
     assert cost._read(tmp_path / "costs.json").verify_ms[0] == lowered
 
 
-def test_rounds_unlike_the_tables_forwards_leave_it_as_measured(tmp_path):
-    """Rows that read a shared prefix once, and plain greedy rounds through the screened
-    fp32 lm_head (on CPUs with native bf16), run less than the table's forward of the
-    same size: they prove nothing about its entries."""
+def test_plain_greedy_rounds_through_the_screened_lm_head_teach_the_table_nothing(tmp_path):
+    """On CPUs with native bf16 a plain greedy fp32 round scores its tokens through the
+    screened lm_head, cheaper than the table's full one: its time proves nothing about
+    the table's entries. Elsewhere it runs the full lm_head and teaches."""
     target = tiny_target(eos=None)
     engine = Engine(target, tiny_head(target))
     engine._costs = kept_costs(tmp_path)
-    shared = prompts(96, lengths=(20,))[0]
-    batch = [("a", [*shared, 5]), ("b", [*shared, 6, 7])]
-    list(
-        engine.generate_batch(
-            [(k, p, DecodeConfig(max_new_tokens=20, logprobs=True)) for k, p in batch], 2
-        )
-    )
-    assert engine._costs.verify_ms[0][0] == 10.0
     engine.generate(prompts(96, lengths=(7,))[0], DecodeConfig(max_new_tokens=20))
     assert (engine._costs.verify_ms[0][0] < 10.0) == (target.screened is None)
+
+
+def test_rows_reading_a_shared_prefix_count_their_own_slots(tmp_path, monkeypatch):
+    """Rows that read a shared 20-token prefix from one copy are compared with the table
+    at their own slots (prompts of 21 and 22 tokens: 1 and 2), and teach it."""
+    target = tiny_target(eos=None)
+    engine = Engine(target, tiny_head(target))
+    engine._costs = kept_costs(tmp_path)
+    compared = []
+    real = CostModel.lower
+
+    def recorded(self, n, contexts, ms):
+        compared.append(sorted(contexts))
+        return real(self, n, contexts, ms)
+
+    monkeypatch.setattr(CostModel, "lower", recorded)
+    shared = prompts(96, lengths=(20,))[0]
+    config = DecodeConfig(max_new_tokens=20, logprobs=True)
+    batch = [("a", [*shared, 5], config), ("b", [*shared, 6, 7], config)]
+    list(engine.generate_batch(batch, 2))
+    assert compared[0] == [1, 2]
+    assert engine._costs.verify_ms[0][0] < 10.0  # the grid point at or below 2 rows: 1
 
 
 def test_a_batch_drafts_one_way():
