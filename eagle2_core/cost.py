@@ -49,6 +49,7 @@ COST_VERSION = 12  # bumped when the engine's kernels change what a forward cost
 STALE_DAYS = 14
 CONTEXT = 256  # context slots of the measured forwards
 LONG_CONTEXT = 1024  # second context, for key_ms
+KEY_QUERIES = 16  # query tokens of the row whose forward at both contexts gives key_ms
 TREE_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 WIDTH_GRID = (1, 2, 4, 6, 8, 10, 16)
 MAX_CURVE = 128  # the largest tree a curve covers (plan.MAX_NODES)
@@ -64,9 +65,6 @@ THROUGHPUT_SLACK = 0.03
 # A round lowers a verify entry it beats by more than this share (smaller gains would
 # rewrite the table for nothing the planner could tell apart).
 LOWER_MARGIN = 0.02
-# The most a round's rows with fewer slots than CONTEXT may add back, as their keys' cost
-# at key_ms, for the round to be compared with the table (below).
-SHORT_CONTEXT_SHARE = 0.05
 
 
 @dataclass
@@ -116,14 +114,15 @@ class CostModel:
 
         The grid point at or below (rows, n) takes `ms`, and every point that costs no
         more takes at most that (`_monotone`). Rows with fewer slots than CONTEXT read
-        fewer keys: their keys' cost at key_ms is added back where it is a small share of
-        the round (one row of 4 nodes at 100 slots: ~0.4 of 16 ms); above
-        SHORT_CONTEXT_SHARE the round is not compared (key_ms is measured at 16 queries a
-        row, which share their row's reads). Only a table measured on this device learns:
-        a made-up one (tests') stays as made. Whether an entry changed."""
-        short = self.key_ms * n * sum(max(CONTEXT - c, 0) for c in contexts)
-        if self._path is None or short > SHORT_CONTEXT_SHARE * ms:
+        fewer keys, so what CONTEXT slots would add is added back, at most: key_ms comes
+        from a row of KEY_QUERIES queries, which read each slot's keys once for all, so
+        KEY_QUERIES x key_ms bounds what a slot costs a row of up to that many nodes (one
+        row at 100 slots: ~1.5 of 15 ms on the Zen 4 VM). Only a table measured on this
+        device learns: a made-up one (tests') stays as made. Whether an entry changed."""
+        if self._path is None:
             return False
+        slots = sum(max(CONTEXT - c, 0) for c in contexts)
+        short = self.key_ms * max(n, KEY_QUERIES) * slots
         row = max(i for i, b in enumerate(self.batch_grid) if b <= max(len(contexts), 1))
         col = max(j for j, t in enumerate(self.tree_grid) if t <= max(n, 1))
         entry = self.verify_ms[row][col]
@@ -402,7 +401,7 @@ def measure(target: Target, head: LeanHead | None, max_batch: int, key: str = ""
         )
 
     points = [(b, n, CONTEXT) for b in batches for n in TREE_GRID if b * n <= MAX_TOKENS]
-    probe = 16
+    probe = KEY_QUERIES
     points += [(1, probe, LONG_CONTEXT)]  # grouped by cache: each is built once per pass
     times = _time_grid(points, verify_run, device)
     verify_ms = _monotone([[times.get((b, n, CONTEXT)) for n in TREE_GRID] for b in batches])

@@ -248,14 +248,17 @@ def test_a_round_faster_than_its_entry_lowers_it_and_what_costs_no_more(tmp_path
     assert not table.lower(8, [cost.CONTEXT], 20.0)  # slower: noise, or a busy machine
 
 
-def test_rows_short_of_the_tables_context_add_back_their_keys_only_where_small(tmp_path):
-    # one row of 4 nodes 156 slots short: 4 x 156 x key_ms
-    assert kept_table(tmp_path, key_ms=1e-4).lower(4, [100], 5.0)
+def test_rows_short_of_the_tables_context_add_back_what_its_keys_could_cost(tmp_path):
+    """One row of 4 nodes 156 slots short of CONTEXT: a row of KEY_QUERIES queries read
+    each slot once for all of them, so 16 x 156 x key_ms bounds what those slots add."""
     table = kept_table(tmp_path, key_ms=1e-4)
-    table.lower(4, [100], 5.0)
-    assert table.verify_ms[0][2] == pytest.approx(5.0 + 4 * 156 * 1e-4)
-    # 5.0 + 0.62 ms: more than SHORT_CONTEXT_SHARE of the round, which is not compared
-    assert not kept_table(tmp_path, key_ms=1e-3).lower(4, [100], 5.0)
+    assert table.lower(4, [100], 5.0)
+    assert table.verify_ms[0][2] == pytest.approx(5.0 + 16 * 156 * 1e-4)
+    table = kept_table(tmp_path, key_ms=1e-4)
+    assert table.lower(32, [100], 5.0)  # more nodes than the probe's queries: each counts
+    assert table.verify_ms[0][3] == pytest.approx(5.0 + 32 * 156 * 1e-4)
+    # 5 ms + 7.5 for what the missing slots could cost: no faster than the entry's 9
+    assert not kept_table(tmp_path, key_ms=3e-3).lower(4, [100], 5.0)
 
 
 def test_a_made_up_table_learns_nothing(tmp_path):
