@@ -13,7 +13,7 @@ import torch
 from eagle2_core import cost
 from eagle2_core.cost import CostModel, _interp, _monotone, load_or_measure
 from eagle2_core.lean_head import LeanHead
-from tests.eagle2_core.tiny import tiny_head, tiny_target
+from tests.eagle2_core.tiny import kept, tiny_head, tiny_target
 
 
 def test_interpolation_is_linear_between_and_beyond_points():
@@ -229,9 +229,7 @@ def kept_table(tmp_path, key_ms: float = 0.0) -> CostModel:
         draft_ms=[[1.0], [1.0]],
         key_ms=key_ms,
     )
-    path = tmp_path / "kept.json"
-    path.write_text(table.to_json())
-    return cost._read(path)
+    return kept(table, tmp_path)
 
 
 def test_a_round_faster_than_its_entry_lowers_it_and_what_costs_no_more(tmp_path):

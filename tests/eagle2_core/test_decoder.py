@@ -18,6 +18,7 @@ from tests.eagle2_core.tiny import (
     OracleDrafter,
     device_costs,
     hf_greedy,
+    kept,
     prompts,
     tiny_head,
     tiny_target,
@@ -188,9 +189,7 @@ def test_drafting_goes_on_where_it_pays(monkeypatch):
 def kept_costs(tmp_path) -> CostModel:
     """device_costs as the cache keeps a measured table (read from its file): 10 ms a
     round, far above what the tiny model's rounds take."""
-    path = tmp_path / "costs.json"
-    path.write_text(device_costs(verify_per_node_ms=0.0, draft_ms=0.01).to_json())
-    return cost._read(path)
+    return kept(device_costs(verify_per_node_ms=0.0, draft_ms=0.01), tmp_path)
 
 
 def test_rounds_faster_than_the_table_lower_it_and_the_emptied_batch_keeps_it(tmp_path):
@@ -205,7 +204,7 @@ def test_rounds_faster_than_the_table_lower_it_and_the_emptied_batch_keeps_it(tm
     assert got.token_ids == hf_greedy(target, prompt, 30)
     lowered = engine._costs.verify_ms[0]
     assert lowered[0] < 10.0 and lowered == sorted(lowered)
-    assert cost._read(tmp_path / "costs.json").verify_ms[0] == lowered
+    assert cost._read(tmp_path / "test.json").verify_ms[0] == lowered
 
 
 def test_plain_greedy_rounds_through_the_screened_lm_head_teach_the_table_nothing(tmp_path):

@@ -14,6 +14,7 @@ from safetensors.torch import save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from eagle2_core import cost
 from eagle2_core.cost import TREE_GRID, WIDTH_GRID, CostModel
 from eagle2_core.draft import DraftHead, new_draft_head
 from eagle2_core.models import Target, target_from_model
@@ -164,3 +165,11 @@ def device_costs(verify_per_node_ms: float, draft_ms: float) -> CostModel:
         draft_ms=[[draft_ms] * len(WIDTH_GRID) for _ in batches],
         key_ms=0.0,
     )
+
+
+def kept(table: CostModel, directory: Path) -> CostModel:
+    """`table` as the cache keeps a measured one: written to its file and read back (such
+    a table learns from the rounds that beat it; a made-up one does not)."""
+    path = directory / f"{table.key}.json"
+    path.write_text(table.to_json())
+    return cost._read(path)
