@@ -1019,3 +1019,109 @@ at::Tensor screened_argmax(at::Tensor hidden, at::Tensor screen, at::Tensor weig
   });
   return out;
 }
+
+// Products of a few fp32 rows (one token, a small tree) with a weight packed by
+// cpu_kernels.py's `pack_rows`: [NB, K, 16], each block 16 outputs' weights side by side,
+// so that a block is one stream and its 16 outputs of a row are two FMA accumulators
+// (no horizontal sums). Memory-bound: the weights stream once, each row's inputs are
+// broadcast from L1. R rows go through each block while it is in cache, six at a time.
+#if defined(__AVX2__) && defined(__FMA__)
+// Rows r0..r0+R of x [., K] times one block: each k's 16 weights times R broadcasts. R <= 2
+// keeps k and k + 1 apart in two accumulators each (one FMA chain per output would wait
+// on its own latency), summed at the end; more rows give the core chains enough.
+template <int R, bool PAIRED>
+static inline void rows_block(const float* p, const float* x, int64_t K, float* y,
+                              int64_t ys) {
+  __m256 a[R][2], b[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = b[r][0] = b[r][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  if constexpr (PAIRED) {
+    for (; k + 2 <= K; k += 2, p += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + 512), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + 528), _MM_HINT_T0);
+      const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8);
+      const __m256 v0 = _mm256_loadu_ps(p + 16), v1 = _mm256_loadu_ps(p + 24);
+      for (int r = 0; r < R; ++r) {
+        const __m256 x0 = _mm256_broadcast_ss(x + r * K + k);
+        const __m256 x1 = _mm256_broadcast_ss(x + r * K + k + 1);
+        a[r][0] = _mm256_fmadd_ps(w0, x0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(w1, x0, a[r][1]);
+        b[r][0] = _mm256_fmadd_ps(v0, x1, b[r][0]);
+        b[r][1] = _mm256_fmadd_ps(v1, x1, b[r][1]);
+      }
+    }
+  }
+  for (; k < K; ++k, p += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + 512), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x0 = _mm256_broadcast_ss(x + r * K + k);
+      a[r][0] = _mm256_fmadd_ps(w0, x0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(w1, x0, a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * ys, _mm256_add_ps(a[r][0], b[r][0]));
+    _mm256_storeu_ps(y + r * ys + 8, _mm256_add_ps(a[r][1], b[r][1]));
+  }
+}
+
+// All R rows of x times one block, into y [R, 16] (row stride ys).
+static void rows_times_block(const float* p, const float* x, int64_t R, int64_t K, float* y,
+                             int64_t ys) {
+  int64_t r = 0;
+  for (; r + 6 <= R; r += 6) rows_block<6, false>(p, x + r * K, K, y + r * ys, ys);
+  const float* xr = x + r * K;
+  float* yr = y + r * ys;
+  switch (R - r) {
+    case 1: rows_block<1, true>(p, xr, K, yr, ys); break;
+    case 2: rows_block<2, true>(p, xr, K, yr, ys); break;
+    case 3: rows_block<3, false>(p, xr, K, yr, ys); break;
+    case 4: rows_block<4, false>(p, xr, K, yr, ys); break;
+    case 5: rows_block<5, false>(p, xr, K, yr, ys); break;
+    default: break;
+  }
+}
+#endif
+
+// x [R, K] fp32 times the packed weight [NB, K, 16] of an [N, K] one (+ bias [N]): [R, N].
+at::Tensor rows_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
+                       int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "rows_linear: fp32 x [R, K] and a packed fp32 weight");
+  x = x.contiguous();
+  const int64_t R = x.size(0), K = x.size(1), NB = packed.size(0);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == 16 &&
+                  NB * 16 >= N && (NB - 1) * 16 < N,
+              "rows_linear: the packed weight does not match x");
+  auto y = at::empty({R, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* pp = packed.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NB, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> part;  // a last block of fewer than 16 outputs is computed here
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n0 = nb * 16, width = std::min<int64_t>(16, N - n0);
+      float* out = yp + n0;
+      int64_t ys = N;
+      if (width < 16) {
+        part.assign(R * 16, 0.f);
+        out = part.data(), ys = 16;
+      }
+      rows_times_block(pp + nb * K * 16, xp, R, K, out, ys);
+      for (int64_t r = 0; r < R; ++r) {
+        float* row = yp + r * N + n0;
+        if (width < 16) std::memcpy(row, out + r * 16, width * sizeof(float));
+        if (bp != nullptr)
+          for (int64_t j = 0; j < width; ++j) row[j] += bp[n0 + j];
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "rows_linear needs AVX2 and FMA");
+  return x;
+#endif
+}

@@ -145,6 +145,48 @@ def _avx2() -> bool:
     return torch.cpu._is_avx2_supported()
 
 
+ROWS_LINEAR_ROWS = 8  # rows up to which `rows_linear` beats oneDNN (AVX2 EPYC, 1-8 rows)
+
+
+@cache
+def _avx512() -> bool:
+    return torch.cpu._is_avx512_supported()
+
+
+def multiplies_rows(weight: torch.Tensor) -> bool:
+    """Whether `rows_linear` takes products of a few rows with this weight: fp32 on a CPU
+    with AVX2 but not AVX-512, where the kernels compiled. There oneDNN's prepacked
+    products stream the weights at 9-16 GB/s for 1-8 rows, this kernel at 15-21 (a 2-core
+    Zen 3 EPYC reading ~22 GB/s; BENCHMARKS.md). AVX-512 CPUs keep oneDNN (~21 of ~31
+    GB/s on a Zen 4 EPYC): this kernel has not been measured there."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and _avx2()
+        and not _avx512()
+        and kernel() is not None
+    )
+
+
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] as `rows_linear` reads it: [ceil(N / 16), K, 16], 16 outputs' weights
+    side by side (the last block padded with zeros)."""
+    n, k = weight.shape
+    blocks = -(-n // 16)
+    padded = torch.zeros(blocks * 16, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(blocks, 16, k).transpose(1, 2).contiguous()
+
+
+def rows_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """x [R, K] (fp32, a few rows) times the weight `pack_rows` packed, of n outputs, plus
+    bias: [R, n], as F.linear but summed in another order (k ascending in two halves for
+    one or two rows), so the last bits can differ."""
+    return kernel().rows_linear(x, packed, bias, n)
+
+
 def norms(x: torch.Tensor) -> bool:
     """Whether `add_rms_norm` takes x's residual add and RMSNorm: bf16 or fp32 on a CPU,
     where the kernels compiled."""

@@ -20,6 +20,8 @@ at::Tensor row_argmax(at::Tensor x);
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor screened_argmax(at::Tensor hidden, at::Tensor screen, at::Tensor weight,
                            at::Tensor norms, double coeff, double rel);
+at::Tensor rows_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
+                       int64_t N);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", torch::wrap_pybind_function(decode_attention));
@@ -28,4 +30,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_argmax", torch::wrap_pybind_function(row_argmax));
   m.def("silu_mul", torch::wrap_pybind_function(silu_mul));
   m.def("screened_argmax", torch::wrap_pybind_function(screened_argmax));
+  m.def("rows_linear", torch::wrap_pybind_function(rows_linear));
 }

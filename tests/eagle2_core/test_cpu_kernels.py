@@ -1,6 +1,6 @@
 """The CPU kernels against torch's own ops: attention, RoPE with the cache write, the
-residual add with RMSNorm, the greedy token and SiLU with the product; and a built
-module's loading."""
+residual add with RMSNorm, the greedy token, SiLU with the product and products of a few
+rows; and a built module's loading."""
 
 from __future__ import annotations
 
@@ -198,6 +198,44 @@ def test_the_fused_fp32_norm_is_the_sum_and_torchs_rms_norm(with_delta):
     assert torch.equal(total, want_total)
     want = torch.nn.functional.rms_norm(want_total, (576,), weight, 1e-5)
     torch.testing.assert_close(normed, want, rtol=1e-6, atol=1e-6)
+
+
+few_rows = pytest.mark.skipif(
+    not torch.cpu._is_avx2_supported(), reason="rows_linear is AVX2 code: never run without it"
+)
+# (outputs, inputs): a last block of fewer than 16 outputs, an odd K, SmolLM2's q|k|v
+ROWS_SHAPES = [(48, 20), (37, 9), (5, 3), (960, 576)]
+
+
+@few_rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 9, 13])
+@pytest.mark.parametrize("shape", ROWS_SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_few_rows_products_are_exact_where_every_order_is(rows, shape, with_bias):
+    """Small integers sum exactly in any order, so every output, row and bias must be
+    torch's bit for bit: a product or a block out of place cannot hide."""
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * n + k)
+    weight = torch.randint(-8, 9, (n, k), generator=g).float()
+    x = torch.randint(-8, 9, (rows, k), generator=g).float()
+    bias = torch.randint(-8, 9, (n,), generator=g).float() if with_bias else None
+    got = cpu_kernels.rows_linear(x, cpu_kernels.pack_rows(weight), bias, n)
+    assert torch.equal(got, torch.nn.functional.linear(x, weight, bias))
+
+
+@few_rows
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("shape", ROWS_SHAPES)
+def test_few_rows_products_round_within_fp32s_bound(rows, shape):
+    """On real numbers the sums go in another order than torch's: each output stays
+    within the bound of any fp32 summation order, K units of rounding of sum |x w|."""
+    n, k = shape
+    g = torch.Generator().manual_seed(rows + n)
+    weight, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    got = cpu_kernels.rows_linear(x, cpu_kernels.pack_rows(weight), None, n)
+    exact = x.double() @ weight.double().T
+    bound = k * 2.0**-24 * (x.double().abs() @ weight.double().abs().T)
+    assert bool(((got.double() - exact).abs() <= bound).all())
 
 
 def test_a_built_kernel_loads_without_torchs_build_tools():

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eagle2_core import cpu_kernels
 from eagle2_core.kernels import Linear
 
 
@@ -46,3 +47,18 @@ def test_projections_stacked_into_bf16_are_the_parts_cast_then_stacked():
 def test_cpu_fp32_weights_are_prepacked_once():
     layer = Linear(torch.randn(4, 4))
     assert layer.onednn == torch.backends.mkldnn.is_available()
+
+
+def test_few_rows_go_to_the_row_kernel_where_it_is_faster_and_equal_f_linear():
+    """On an AVX2 CPU without AVX-512 an fp32 weight gets a second, packed copy, which
+    products of up to ROWS_LINEAR_ROWS rows (any leading shape) read; more rows take
+    oneDNN; every one is F.linear up to rounding."""
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    layer = Linear(weight, bias)
+    avx2_only = torch.cpu._is_avx2_supported() and not torch.cpu._is_avx512_supported()
+    assert (layer.packed is not None) == (avx2_only and cpu_kernels.kernel() is not None)
+    assert Linear(weight.bfloat16()).packed is None
+    for shape in [(1, 24), (2, 4, 24), (8, 24), (9, 24), (3, 5, 24)]:
+        x = torch.randn(*shape, generator=g)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
