@@ -170,12 +170,12 @@ def multiplies_rows(weight: torch.Tensor) -> bool:
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] as `rows_linear` reads it: [ceil(N / 16), K, 16], 16 outputs' weights
-    side by side (the last block padded with zeros)."""
+    side by side (the last block padded with zeros), in one pass over the weight."""
     n, k = weight.shape
     blocks = -(-n // 16)
-    padded = torch.zeros(blocks * 16, k, dtype=weight.dtype)
-    padded[:n] = weight
-    return padded.view(blocks, 16, k).transpose(1, 2).contiguous()
+    if n % 16:
+        weight = torch.cat([weight, weight.new_zeros(blocks * 16 - n, k)])
+    return weight.reshape(blocks, 16, k).transpose(1, 2).contiguous()
 
 
 def rows_linear(
