@@ -1,6 +1,7 @@
 // Decoding attention on a CPU in bf16 and fp32; also RoPE with the cache write, the residual
 // add with its RMSNorm, the greedy token of each row of logits (or of an fp32 lm_head
-// screened through a bf16 one), and the MLP's SiLU with its product (bf16). Compiled on
+// screened through a bf16 one), the MLP's SiLU with its product (bf16), and products of a
+// few fp32 rows with a packed weight (AVX2). Compiled on
 // first use by cpu_kernels.py (torch's cpp_extension, -march=native); that module's
 // docstring says why each exists. ATen's tensor headers only (torch/extension.h took a
 // compiler ~8x as long to read): Python's bindings are in cpu_kernels_bindings.cpp.

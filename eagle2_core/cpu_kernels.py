@@ -1,7 +1,8 @@
 """Attention for decoding on a CPU (bf16 and fp32), RoPE with the cache write, the
 residual add with its RMSNorm, the greedy token of each row of logits (and of an fp32
-lm_head screened through a bf16 one: greedy_head.py), and (in bf16) the MLP's SiLU with
-its product, in C++ (cpu_kernels.cpp).
+lm_head screened through a bf16 one: greedy_head.py), (in bf16) the MLP's SiLU with its
+product, and (in fp32, on AVX2 CPUs without AVX-512) products of a few rows, in C++
+(cpu_kernels.cpp).
 
 A decoding step attends a few new tokens per row (one, or a draft tree's nodes) over that
 row's cache. torch's CPU kernels do this badly: in bf16 its flash kernel took 14.5 ms a
@@ -39,10 +40,13 @@ None and llama.py keeps torch's ops.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -91,38 +95,58 @@ def _import_built(name: str, path: Path) -> ModuleType:
     return module
 
 
+def _built(name: str, path: Path) -> ModuleType | None:
+    """The module built at `path`, or None: not built, or a build cut short."""
+    if not path.is_file():
+        return None
+    try:
+        return _import_built(name, path)
+    except ImportError:
+        return None
+
+
+@contextmanager
+def _builder(directory: Path) -> Iterator[None]:
+    """This process alone builds in `directory` while inside: a lock the system drops when
+    its process dies. Inside, torch's own lock file is gone: a build killed mid-compile
+    (SIGTERM, SIGKILL, the OOM killer) leaves it, and torch's next build of the same
+    source then waits on it forever, saying only "compiling"."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+
+
+def _compile(name: str, directory: Path) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    print(
+        "compiling the CPU kernels (once per machine and torch install, under a minute)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return load(
+        name=name,
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+        build_directory=str(directory),
+    )
+
+
 @cache
 def kernel() -> ModuleType | None:
-    """The compiled module, or None where it cannot be built here (said once)."""
+    """The compiled module, or None where it cannot be built here (said once). One process
+    builds at a time; the others wait, then load what it built."""
     name = f"eagle2_cpu_kernels_{_cpu_tag()}"
     directory = _build_directory(name)
     built = directory / f"{name}.so"
-    if built.is_file():
-        try:
-            return _import_built(name, built)
-        except ImportError:  # a build cut short: build it again
-            pass
+    module = _built(name, built)
+    if module is not None:
+        return module
     try:
-        from torch.utils.cpp_extension import load
-
-        print(
-            "compiling the CPU kernels (once per machine and torch install, under a minute)",
-            file=sys.stderr,
-            flush=True,
-        )
-        directory.mkdir(parents=True, exist_ok=True)
-        return load(
-            name=name,
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-fopenmp",
-                "-ffast-math",
-                "-fno-finite-math-only",
-            ],
-            build_directory=str(directory),
-        )
+        with _builder(directory):
+            return _built(name, built) or _compile(name, directory)
     except Exception as error:  # no compiler, ninja or headers: torch's kernel instead
         print(f"CPU kernels unavailable, using torch's: {error}", file=sys.stderr)
         return None

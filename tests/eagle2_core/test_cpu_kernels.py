@@ -1,12 +1,13 @@
 """The CPU kernels against torch's own ops: attention, RoPE with the cache write, the
 residual add with RMSNorm, the greedy token, SiLU with the product and products of a few
-rows; and a built module's loading."""
+rows; and how a built module loads and how builders take turns."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import sysconfig
+import threading
 from pathlib import Path
 
 import pytest
@@ -250,6 +251,55 @@ def test_a_built_kernel_loads_without_torchs_build_tools():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
     assert "compiling" not in done.stderr
+
+
+def test_a_builder_killed_mid_compile_blocks_no_later_build(tmp_path):
+    """A process killed while it builds (here SIGKILL, inside the build lock, with torch's
+    lock file made as torch makes it) leaves that file; the next builder still gets in at
+    once, and without it: torch's next build would otherwise wait on it forever."""
+    from torch.utils.file_baton import FileBaton
+
+    code = (
+        "import sys, time; from pathlib import Path; from eagle2_core import cpu_kernels\n"
+        "with cpu_kernels._builder(Path(sys.argv[1])):\n"
+        "    (Path(sys.argv[1]) / 'lock').touch(); print('building', flush=True); time.sleep(60)"
+    )
+    builder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE)
+    assert builder.stdout.readline() == b"building\n"
+    builder.kill()
+    builder.wait()
+    assert (tmp_path / "lock").exists()
+    with cpu_kernels._builder(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        baton = FileBaton(str(tmp_path / "lock"))
+        assert baton.try_acquire()  # torch's build would go ahead
+        baton.release()
+
+
+def test_a_second_builder_waits_for_the_first(tmp_path):
+    """Two processes never build in one directory at once: the second waits until the
+    first is done (then finds its module, in `kernel`)."""
+    code = (
+        "import sys; from pathlib import Path; from eagle2_core import cpu_kernels\n"
+        "with cpu_kernels._builder(Path(sys.argv[1])):\n"
+        "    print('building', flush=True); sys.stdin.readline()"
+    )
+    first = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert first.stdout.readline() == b"building\n"
+    inside = threading.Event()
+
+    def second() -> None:
+        with cpu_kernels._builder(tmp_path):
+            inside.set()
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    assert not inside.wait(0.5)
+    first.communicate(b"done\n")
+    assert inside.wait(10)
+    waiter.join()
 
 
 def test_the_source_compiles_for_every_instruction_set():
