@@ -206,8 +206,8 @@ def rows_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:
     """x [R, K] (fp32, a few rows) times the weight `pack_rows` packed, of n outputs, plus
-    bias: [R, n], as F.linear but summed in another order (k ascending in two halves for
-    one or two rows), so the last bits can differ."""
+    bias: [R, n], as F.linear but summed in another order (for one or two rows the even
+    and the odd k apart, then added), so the last bits can differ."""
     return kernel().rows_linear(x, packed, bias, n)
 
 
