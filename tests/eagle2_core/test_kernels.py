@@ -51,14 +51,21 @@ def test_cpu_fp32_weights_are_prepacked_once():
 
 def test_few_rows_go_to_the_row_kernel_where_it_is_faster_and_equal_f_linear():
     """On an AVX2 CPU without AVX-512 an fp32 weight gets a second, packed copy, which
-    products of up to ROWS_LINEAR_ROWS rows (any leading shape) read; more rows take
-    oneDNN; every one is F.linear up to rounding."""
+    products of up to ROWS_LINEAR_ROWS rows (any leading shape) read: the kernel's bits,
+    which for one row (the even and the odd k summed apart) are not oneDNN's. More rows
+    take oneDNN. Every one is F.linear up to rounding."""
     g = torch.Generator().manual_seed(3)
-    weight, bias = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    weight, bias = torch.randn(40, 576, generator=g), torch.randn(40, generator=g)
     layer = Linear(weight, bias)
     avx2_only = torch.cpu._is_avx2_supported() and not torch.cpu._is_avx512_supported()
     assert (layer.packed is not None) == (avx2_only and cpu_kernels.kernel() is not None)
     assert Linear(weight.bfloat16()).packed is None
-    for shape in [(1, 24), (2, 4, 24), (8, 24), (9, 24), (3, 5, 24)]:
+    for shape in [(1, 576), (2, 4, 576), (8, 576), (9, 576), (3, 5, 576)]:
         x = torch.randn(*shape, generator=g)
-        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        got = layer(x)
+        torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+        rows = x.reshape(-1, 576)
+        if layer.packed is not None and len(rows) <= 8:
+            assert torch.equal(
+                got, cpu_kernels.rows_linear(rows, layer.packed, bias, 40).view_as(got)
+            )
