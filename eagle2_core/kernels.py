@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from eagle2_core import cpu_kernels
-from eagle2_core.cpu_kernels import ROWS_LINEAR_ROWS as ROWS
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -95,7 +94,8 @@ class Linear:
         return cls(module.weight, module.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.numel() <= ROWS * self.in_features:
+        few_rows = x.numel() <= cpu_kernels.ROWS_LINEAR_ROWS * self.in_features
+        if self.packed is not None and few_rows:
             rows = x.reshape(-1, self.in_features)
             out = cpu_kernels.rows_linear(rows, self.packed, self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
